@@ -684,9 +684,11 @@ impl AgentBuilder {
     /// whose content cannot be a token (as [`AgentBuilder::token`] refuses one)
     /// ([`AgentError::TokenFile`]); whether the control plane holds the token is learnt at
     /// the first stream. `connect` waits at most a second for the read (a volume that does
-    /// not answer); the first stream then waits for it. A later read that fails, or does not
-    /// end within a second, keeps the token read before, and is warned of; a content other
-    /// than the token in use is taken once two reads 50 ms apart agree (a file rewritten in
+    /// not answer; the cache file's read may add another); until a token has been read, no
+    /// stream is opened, and each try waits at most a second for the read under way. A later
+    /// read that fails, or does not end within a second, keeps the token read before, and is
+    /// warned of; a content other than the token in use is taken once two reads 50 ms apart
+    /// agree (or two reads of successive tries) (a file rewritten in
     /// place is best replaced whole, by a rename, as Kubernetes does). Replaces
     /// [`AgentBuilder::token`] given before. The file is read to at most
     /// [`MAX_TOKEN_FILE_BYTES`](crate::MAX_TOKEN_FILE_BYTES) and never logged.

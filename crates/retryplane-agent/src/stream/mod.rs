@@ -601,8 +601,15 @@ async fn session(
     }
     let token = match &config.token {
         Some(source) => match source.current(cancel).await {
-            Some(token) => Some(token),
-            None => return SessionEnd::Cancelled,
+            Ok(token) => Some(token),
+            Err(token::NoToken::Cancelled) => return SessionEnd::Cancelled,
+            // Tried again after the backoff, the read under way kept.
+            Err(token::NoToken::NotRead(reason)) => {
+                return lost(
+                    None,
+                    format!("no agent token to open a stream with: {reason}"),
+                );
+            }
         },
         None => None,
     };

@@ -10,10 +10,12 @@
 //! volume that stops answering must hold neither `connect` nor the stream task (nor the
 //! agent's shutdown, nor the runtime's: a blocking task of tokio's would be waited for when
 //! the runtime is dropped). A read still under way is waited for by the next stream rather
-//! than started again. A FIFO or a socket is refused before it is opened (opening a FIFO
-//! waits for a writer). A content other than the token in use is taken only once two reads
-//! 50 ms apart agree, so that a file rewritten in place, caught between its truncation and
-//! its last write, does not send a piece of a secret.
+//! than started again. Until a first token has been read, no stream is opened: each try waits
+//! for the read as long, then is lost and tried again after the backoff. A FIFO or a socket is
+//! refused before it is opened (opening a FIFO waits for a writer). A content other than the
+//! token in use is taken only once two reads agree (50 ms apart, or of successive tries), so
+//! that a file rewritten in place, caught between its truncation and its last write, does not
+//! send a piece of a secret. The first token is taken as read: there is nothing else to use.
 
 use std::io::Read as _;
 use std::path::{Path, PathBuf};
@@ -51,12 +53,25 @@ pub(crate) enum TokenSource {
     File(TokenFile),
 }
 
+/// Why there is no token to open a stream with.
+#[derive(Debug, PartialEq, Eq)]
+pub(crate) enum NoToken {
+    /// The agent is shutting down.
+    Cancelled,
+    /// No token has been read from the file yet: the first read failed, or has not ended (it
+    /// goes on, and the next stream waits for it again). The stream is not opened, and is
+    /// tried again after the backoff.
+    NotRead(String),
+}
+
 impl TokenSource {
-    /// The token to open the next stream with; `None` only when `cancel` fired while no token
-    /// had been read yet.
-    pub(crate) async fn current(&self, cancel: &CancellationToken) -> Option<AsciiMetadataValue> {
+    /// The token to open the next stream with.
+    pub(crate) async fn current(
+        &self,
+        cancel: &CancellationToken,
+    ) -> Result<AsciiMetadataValue, NoToken> {
         match self {
-            TokenSource::Fixed(value) => Some(value.clone()),
+            TokenSource::Fixed(value) => Ok(value.clone()),
             TokenSource::File(file) => file.read(cancel).await,
         }
     }
@@ -76,10 +91,17 @@ pub(crate) struct TokenFile {
 
 #[derive(Debug, Default)]
 struct State {
-    /// The token last read (`None` while the first read is under way).
+    /// The token last read (`None` until a first read has given one).
     last: Option<AsciiMetadataValue>,
-    /// Why the reads since then failed, warned of once until it changes.
+    /// A content other than `last` read once, waiting for a second read to agree (kept
+    /// across streams: reads slower than the wait may each end on another stream's turn).
+    unconfirmed: Option<AsciiMetadataValue>,
+    /// Why the reads since the last good one failed, warned of once until it changes.
     failing: Option<String>,
+    /// Whether reads not ending within the wait were warned of: once, until a read started
+    /// afresh ends within it (a read under way from before ending in time says nothing of
+    /// the volume's speed).
+    slow_warned: bool,
     /// A read still under way, its answer to come.
     pending: Option<oneshot::Receiver<ReadResult>>,
 }
@@ -109,6 +131,7 @@ impl TokenFile {
                      answer?); the agent opens its first stream once it is"
                 );
                 state.pending = Some(found);
+                state.slow_warned = true;
             }
             Ok(()) | Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => {
                 let read = found
@@ -126,110 +149,123 @@ impl TokenFile {
 
     /// Reads the file again: its token, or, when that fails or does not end within
     /// [`READ_WAIT`] (a read still under way from before is waited for, not started again),
-    /// the token read before (with none yet, waiting for the read until `cancel`). A content
-    /// other than the token in use is taken once two reads [`CONFIRM_AFTER`] apart agree.
-    async fn read(&self, cancel: &CancellationToken) -> Option<AsciiMetadataValue> {
-        let last = self
-            .state
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .last
-            .clone();
-        let mut seen: Option<AsciiMetadataValue> = None;
+    /// the token read before; with none yet, [`NoToken::NotRead`]. A content other than the
+    /// token in use is taken once two reads [`CONFIRM_AFTER`] apart agree, reads of this
+    /// stream's turn or of turns before.
+    async fn read(&self, cancel: &CancellationToken) -> Result<AsciiMetadataValue, NoToken> {
+        let last = self.lock().last.clone();
+        let or_last = |reason: String| last.clone().ok_or(NoToken::NotRead(reason));
         for attempt in 0..MOST_READS {
             if attempt > 0 {
                 tokio::select! {
                     () = tokio::time::sleep(CONFIRM_AFTER) => {}
-                    () = cancel.cancelled() => return last,
+                    () = cancel.cancelled() => return last.clone().ok_or(NoToken::Cancelled),
                 }
             }
-            let Some(read) = self.read_once(last.is_some(), cancel).await else {
-                return last;
+            let read = match self.read_once(cancel).await {
+                Ok(read) => read,
+                Err(NoToken::Cancelled) => return last.clone().ok_or(NoToken::Cancelled),
+                Err(NoToken::NotRead(reason)) => return or_last(reason),
             };
-            match read {
+            let value = match read {
+                Ok(value) => value,
                 Err(reason) => {
-                    self.failed(reason);
-                    return last;
+                    self.failed(reason.clone(), last.is_some());
+                    return or_last(reason);
                 }
-                // The first token (nothing better to use), the one in use again, or a new one
-                // read twice alike.
-                Ok(value)
-                    if last.is_none()
-                        || last.as_ref() == Some(&value)
-                        || seen.as_ref() == Some(&value) =>
-                {
-                    self.taken(&value);
-                    return Some(value);
-                }
-                Ok(value) => seen = Some(value),
+            };
+            let mut state = self.lock();
+            // The first token (nothing better to use), the one in use again, or a new one
+            // read twice alike.
+            if last.is_none()
+                || last.as_ref() == Some(&value)
+                || state.unconfirmed.as_ref() == Some(&value)
+            {
+                self.taken(&mut state, &value);
+                return Ok(value);
             }
+            state.unconfirmed = Some(value);
         }
-        self.failed("it changed at each read (is it being written in place?)".to_owned());
-        last
+        let reason = "it changed at each read (is it being written in place?)".to_owned();
+        self.failed(reason.clone(), last.is_some());
+        or_last(reason)
     }
 
-    /// One read's answer: the read under way, or a new one; `None` (the token read before is
-    /// to be used) when `cancel` fires, or, when `bounded`, it has not answered within the
-    /// wait (it stays under way, for the next read to wait for).
-    async fn read_once(&self, bounded: bool, cancel: &CancellationToken) -> Option<ReadResult> {
-        let pending = self
-            .state
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .pending
-            .take();
+    /// One read's answer: the read under way, or a new one, waited for at most the wait
+    /// (past it, the read stays under way for the next one to wait for); `Err` when `cancel`
+    /// fires or the wait passes.
+    async fn read_once(&self, cancel: &CancellationToken) -> Result<ReadResult, NoToken> {
+        let pending = self.lock().pending.take();
+        let fresh = pending.is_none();
         let mut pending = match pending {
             Some(pending) => pending,
             None => match spawn_read(&self.path) {
                 Ok((found, _)) => found,
-                Err(reason) => return Some(Err(reason)),
+                Err(reason) => return Ok(Err(reason)),
             },
         };
-        let wait = async {
-            if bounded {
-                tokio::time::sleep(self.wait).await;
-            } else {
-                std::future::pending::<()>().await;
-            }
-        };
         tokio::select! {
-            read = &mut pending => Some(
-                read.unwrap_or_else(|_| Err("the read ended without an answer".to_owned())),
-            ),
-            () = cancel.cancelled() => {
-                self.state.lock().unwrap_or_else(PoisonError::into_inner).pending = Some(pending);
-                None
+            read = &mut pending => {
+                if fresh {
+                    self.lock().slow_warned = false;
+                }
+                Ok(read.unwrap_or_else(|_| Err("the read ended without an answer".to_owned())))
             }
-            () = wait => {
-                self.state.lock().unwrap_or_else(PoisonError::into_inner).pending = Some(pending);
-                self.failed(format!(
+            () = cancel.cancelled() => {
+                self.lock().pending = Some(pending);
+                Err(NoToken::Cancelled)
+            }
+            () = tokio::time::sleep(self.wait) => {
+                let reason = format!(
                     "it could not be read within {} ms (a volume that does not answer?)",
                     self.wait.as_millis()
-                ));
-                None
+                );
+                let mut state = self.lock();
+                state.pending = Some(pending);
+                if !std::mem::replace(&mut state.slow_warned, true) {
+                    let in_use = state.last.is_some();
+                    drop(state);
+                    self.warn(&reason, in_use);
+                }
+                Err(NoToken::NotRead(reason))
             }
         }
     }
 
+    fn lock(&self) -> std::sync::MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
     /// `value` read and taken: said at info when it is a new token, or when the file can be
     /// used again after reads that failed.
-    fn taken(&self, value: &AsciiMetadataValue) {
-        let mut state = self.state.lock().unwrap_or_else(PoisonError::into_inner);
+    fn taken(&self, state: &mut State, value: &AsciiMetadataValue) {
         if state.last.as_ref().is_some_and(|last| last != value) {
             info!(file = %self.path.display(), "the agent token file holds a new token: streams from now on use it");
         } else if state.failing.is_some() {
             info!(file = %self.path.display(), "the agent token file can be used again");
         }
         state.last = Some(value.clone());
+        state.unconfirmed = None;
         state.failing = None;
     }
 
     /// A read that failed for `reason`: warned of once until the reason changes.
-    fn failed(&self, reason: String) {
-        let mut state = self.state.lock().unwrap_or_else(PoisonError::into_inner);
+    fn failed(&self, reason: String, in_use: bool) {
+        let mut state = self.lock();
         if state.failing.as_deref() != Some(reason.as_str()) {
+            state.failing = Some(reason.clone());
+            drop(state);
+            self.warn(&reason, in_use);
+        }
+    }
+
+    /// The warning of a read that failed or was slow, `in_use` when a token read before
+    /// stays in use.
+    fn warn(&self, reason: &str, in_use: bool) {
+        if in_use {
             warn!(file = %self.path.display(), %reason, "cannot use the agent token file; the token read before stays in use");
-            state.failing = Some(reason);
+        } else {
+            warn!(file = %self.path.display(), %reason, "cannot use the agent token file; no stream is opened until it can be");
         }
     }
 }
@@ -423,8 +459,8 @@ mod tests {
             wait: Duration::from_millis(10),
             state: Mutex::new(State {
                 last: last.map(bearer),
-                failing: None,
                 pending: Some(pending),
+                ..State::default()
             }),
         };
         (file, answer)
@@ -476,25 +512,67 @@ mod tests {
         assert_eq!(logs.text().matches("holds a new token").count(), 1);
     }
 
-    /// With no token read yet (a first read that did not end in time at `connect`), the
-    /// first stream's read waits for it, or for the agent's shutdown.
+    /// With no token read yet (a first read that did not end in time at `connect`), a
+    /// stream's read waits for it no longer than any read, and says there is none (the
+    /// stream is tried again after the backoff); the read goes on, and a later stream takes
+    /// its answer. A cancel while it waits is told apart.
     #[tokio::test]
-    async fn a_slow_first_read_is_waited_for_by_the_first_stream() {
+    async fn a_slow_first_read_is_waited_for_by_the_streams_after_it() {
         let dir = tempfile::tempdir().unwrap();
         let (file, answer) = under_way(&dir.path().join("token"), None);
         let cancelled = CancellationToken::new();
         cancelled.cancel();
-        assert_eq!(file.read(&cancelled).await, None);
+        assert_eq!(file.read(&cancelled).await, Err(NoToken::Cancelled));
         let cancel = CancellationToken::new();
-        let read = file.read(&cancel);
-        tokio::pin!(read);
-        assert!(
-            tokio::time::timeout(Duration::from_millis(50), &mut read)
-                .await
-                .is_err(),
-            "no token to use meanwhile"
-        );
+        for _ in 0..2 {
+            assert_eq!(
+                file.read(&cancel).await,
+                Err(NoToken::NotRead(
+                    "it could not be read within 10 ms (a volume that does not answer?)".to_owned()
+                ))
+            );
+        }
         answer.send(Ok(bearer("first-secret-0123"))).unwrap();
-        assert_eq!(read.await.unwrap(), bearer("first-secret-0123"));
+        reads(&file, "first-secret-0123").await;
+    }
+
+    /// A first read that fails leaves no token: the stream is not opened, and not taken for
+    /// the agent's shutdown; a later read of a file that can be used gives its token.
+    #[tokio::test]
+    async fn a_first_read_that_fails_is_tried_again_at_the_next_stream() {
+        let (logs, _guard) = crate::test_logs::Logs::capture();
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("token");
+        let (mut file, answer) = under_way(&path, None);
+        file.wait = READ_WAIT;
+        answer.send(Err("cannot open it: gone".to_owned())).unwrap();
+        let cancel = CancellationToken::new();
+        assert_eq!(
+            file.read(&cancel).await,
+            Err(NoToken::NotRead("cannot open it: gone".to_owned()))
+        );
+        assert!(
+            logs.text().contains("no stream is opened until it can be"),
+            "{}",
+            logs.text()
+        );
+        std::fs::write(&path, "first-secret-0123\n").unwrap();
+        reads(&file, "first-secret-0123").await;
+    }
+
+    /// A new content read once is kept for the next stream's read to confirm: reads that each
+    /// end on another stream's turn still move to a rotated token.
+    #[tokio::test]
+    async fn a_new_content_read_once_is_confirmed_by_a_later_streams_read() {
+        let dir = tempfile::tempdir().unwrap();
+        // No file at the path: each read started afresh fails.
+        let (mut file, answer) = under_way(&dir.path().join("token"), Some("first-secret-0123"));
+        file.wait = READ_WAIT;
+        answer.send(Ok(bearer("second-secret-0123"))).unwrap();
+        reads(&file, "first-secret-0123").await;
+        let (answer, pending) = oneshot::channel();
+        file.lock().pending = Some(pending);
+        answer.send(Ok(bearer("second-secret-0123"))).unwrap();
+        reads(&file, "second-secret-0123").await;
     }
 }
