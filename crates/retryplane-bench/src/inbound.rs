@@ -90,7 +90,7 @@ struct Phase {
     now_kib: u64,
     held_bytes: f64,
     refused: f64,
-    /// Streams that sent all their bytes and were not ended.
+    /// Streams the server had not ended when the figures were read.
     kept: u64,
     /// Streams the server ended (with any status) before or after their bytes.
     ended: u64,
@@ -149,11 +149,13 @@ async fn connection(
         .context("no connection within the wait")?
         .context("cannot connect to the agent listener")?;
     tcp.set_nodelay(true)?;
-    let (send, conn) = h2::client::Builder::new()
+    let handshake = h2::client::Builder::new()
         .initial_window_size(4 << 20)
         .initial_connection_window_size(16 << 20)
-        .handshake::<_, Bytes>(tcp)
+        .handshake::<_, Bytes>(tcp);
+    let (send, conn) = tokio::time::timeout(WAIT, handshake)
         .await
+        .context("no HTTP/2 handshake within the wait")?
         .context("HTTP/2 handshake")?;
     set.spawn(async move {
         let _ = conn.await;
@@ -226,10 +228,10 @@ async fn flood_stream(
 async fn honest_agent(addr: std::net::SocketAddr, id: &str) -> anyhow::Result<bool> {
     let mut set = JoinSet::new();
     let send = connection(addr, &mut set).await?;
-    let mut send = send.ready().await?;
-    let (response, mut tx) = send.send_request(connect_request()?, false)?;
-    send_all(&mut tx, hello(id)).await?;
     let first = async {
+        let mut send = send.ready().await?;
+        let (response, mut tx) = send.send_request(connect_request()?, false)?;
+        send_all(&mut tx, hello(id)).await?;
         let mut body = response.await?.into_body();
         let mut got = 0;
         while got < 5 {
