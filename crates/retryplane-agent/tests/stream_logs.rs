@@ -410,3 +410,40 @@ async fn a_url_with_a_path_and_query_is_warned_that_they_are_not_used() {
     assert!(!log.contains("s3cr3t"), "{log}");
     running.shutdown().await.unwrap();
 }
+
+/// A control plane that refuses the stream at one of its limits (`RESOURCE_EXHAUSTED`: here its
+/// most agents) is said to be reached and at a limit, not unreachable.
+#[tokio::test(flavor = "current_thread")]
+async fn a_control_plane_at_one_of_its_limits_is_not_said_to_be_unreachable() {
+    let dir = tempfile::tempdir().unwrap();
+    let running = support::plane::plane_with(dir.path(), &support::plane::yaml(2), None, |cfg| {
+        cfg.max_agents = 1;
+    })
+    .await;
+    let first = support::plane::builder(running.agent_addr, "first")
+        .connect()
+        .unwrap();
+    support::plane::eventually("the first connected", || async { first.is_connected() }).await;
+    let (sink, _guard) = support::capture_logs("retryplane_agent=debug");
+    let text = || sink.text();
+    let second = support::plane::builder(running.agent_addr, "second")
+        .connect()
+        .unwrap();
+    support::plane::eventually("refused", || async {
+        text().contains("RESOURCE_EXHAUSTED")
+    })
+    .await;
+    assert_eq!(
+        second.stream_error().and_then(|e| e.code),
+        Some(tonic::Code::ResourceExhausted)
+    );
+    second.shutdown().await;
+    let log = text();
+    assert!(
+        log.contains("the control plane refuses this agent's stream (at one of its limits)"),
+        "{log}"
+    );
+    assert!(!log.contains("cannot reach the control plane"), "{log}");
+    first.shutdown().await;
+    running.shutdown().await.unwrap();
+}
