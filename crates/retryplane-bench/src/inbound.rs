@@ -183,44 +183,50 @@ async fn send_all(tx: &mut h2::SendStream<Bytes>, mut data: Bytes) -> Result<(),
     Ok(())
 }
 
-/// One stream: a Hello as `id`, then `send` bytes of a message announced at `announce`; its
-/// response drained, and its end counted, by a task of its own.
+/// One stream: a Hello as `id`, then `send` bytes of a message announced at `announce`, held
+/// open until the phase aborts the task; beside it, its response drained and its end counted.
 async fn flood_stream(
     mut send: h2::client::SendRequest<Bytes>,
     id: String,
     announce: u32,
     send_bytes: usize,
     tally: Arc<Tally>,
-    set: Arc<tokio::sync::Mutex<JoinSet<()>>>,
 ) {
-    let sent = async {
+    let Ok(opened) = async {
         send = send.ready().await?;
-        let (response, mut tx) = send.send_request(connect_request()?, false)?;
-        let ended = tally.clone();
-        set.lock().await.spawn(async move {
-            if let Ok(response) = response.await {
-                let mut body = response.into_body();
-                while let Some(Ok(data)) = body.data().await {
-                    let _ = body.flow_control().release_capacity(data.len());
-                }
-                let _ = body.trailers().await;
-            }
-            ended.ended.fetch_add(1, Ordering::Relaxed);
-        });
-        send_all(&mut tx, hello(&id)).await?;
-        let mut message = Vec::with_capacity(5 + send_bytes);
-        message.push(0);
-        message.extend_from_slice(&announce.to_be_bytes());
-        message.resize(5 + send_bytes, 0);
-        send_all(&mut tx, Bytes::from(message)).await?;
-        Ok::<_, anyhow::Error>(tx)
-    };
-    let held = sent.await;
-    tally.done.fetch_add(1, Ordering::Relaxed);
-    // Held open, never finished, until the phase aborts this task.
-    if let Ok(_tx) = held {
-        std::future::pending::<()>().await;
+        Ok::<_, anyhow::Error>(send.send_request(connect_request()?, false)?)
     }
+    .await
+    else {
+        tally.done.fetch_add(1, Ordering::Relaxed);
+        return;
+    };
+    let (response, mut tx) = opened;
+    let sending = async {
+        let sent = async {
+            send_all(&mut tx, hello(&id)).await?;
+            let mut message = Vec::with_capacity(5 + send_bytes);
+            message.push(0);
+            message.extend_from_slice(&announce.to_be_bytes());
+            message.resize(5 + send_bytes, 0);
+            send_all(&mut tx, Bytes::from(message)).await
+        };
+        let _ = sent.await;
+        tally.done.fetch_add(1, Ordering::Relaxed);
+        // Never finished: `tx` stays alive until the phase aborts this task.
+        std::future::pending::<()>().await;
+    };
+    let receiving = async {
+        if let Ok(response) = response.await {
+            let mut body = response.into_body();
+            while let Some(Ok(data)) = body.data().await {
+                let _ = body.flow_control().release_capacity(data.len());
+            }
+            let _ = body.trailers().await;
+        }
+        tally.ended.fetch_add(1, Ordering::Relaxed);
+    };
+    tokio::join!(sending, receiving);
 }
 
 /// Whether an agent of the bench's token, `id`, gets its first message (the Snapshot) within
@@ -266,10 +272,10 @@ async fn phase(cli: &Cli, bin: &std::path::Path, room_mib: Option<usize>) -> any
         "--send-bytes must be under the message announced ({announce} bytes)"
     );
     let tally = Arc::new(Tally::default());
-    let set = Arc::new(tokio::sync::Mutex::new(JoinSet::new()));
+    let mut connections = JoinSet::new();
     let mut streams = JoinSet::new();
     for c in 0..cli.connections {
-        let send = connection(server.agent_addr, &mut *set.lock().await).await?;
+        let send = connection(server.agent_addr, &mut connections).await?;
         for s in 0..cli.streams {
             streams.spawn(flood_stream(
                 send.clone(),
@@ -277,7 +283,6 @@ async fn phase(cli: &Cli, bin: &std::path::Path, room_mib: Option<usize>) -> any
                 announce,
                 cli.send_bytes,
                 tally.clone(),
-                set.clone(),
             ));
         }
     }
@@ -325,7 +330,7 @@ async fn phase(cli: &Cli, bin: &std::path::Path, room_mib: Option<usize>) -> any
         server.log_tail()
     );
     streams.abort_all();
-    drop(set);
+    drop(connections);
     server.stop().await?;
     Ok(figures)
 }
