@@ -565,6 +565,21 @@ async fn session(
         code: None,
         replaced: false,
     };
+    // The token first: without one, no connection is made for nothing.
+    let token = match &config.token {
+        Some(source) => match source.current(cancel).await {
+            Ok(token) => Some(token),
+            Err(token::NoToken::Cancelled) => return SessionEnd::Cancelled,
+            // Tried again after the backoff, the read under way kept.
+            Err(token::NoToken::NotRead(reason)) => {
+                return lost(
+                    None,
+                    format!("no agent token to open a stream with: {reason}"),
+                );
+            }
+        },
+        None => None,
+    };
     // The control plane's bytes and messages, as heard (see `retryplane_proto::liveness`):
     // the data bytes read on the connection (see `counted`), and each whole message.
     let life = Life::new(Instant::now());
@@ -599,20 +614,6 @@ async fn session(
     if tx.try_send(message(Kind::Hello(hello))).is_err() {
         return lost(None, "cannot queue Hello".into());
     }
-    let token = match &config.token {
-        Some(source) => match source.current(cancel).await {
-            Ok(token) => Some(token),
-            Err(token::NoToken::Cancelled) => return SessionEnd::Cancelled,
-            // Tried again after the backoff, the read under way kept.
-            Err(token::NoToken::NotRead(reason)) => {
-                return lost(
-                    None,
-                    format!("no agent token to open a stream with: {reason}"),
-                );
-            }
-        },
-        None => None,
-    };
     // Sent in pieces of at most 4 KiB: the control plane, which counts the data frames of the
     // stream (its connection may carry other agents' streams, behind a proxy), sees a large
     // report's bytes come on a slow link.
