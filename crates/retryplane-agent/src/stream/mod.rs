@@ -14,7 +14,8 @@
 //! [`ReconnectBackoff`] delay and tries again; the policies in force are never dropped. Each
 //! loss is logged at info, but a refusal that trying again will not fix (a token refused, a Hello
 //! refused as invalid, a URL that is not the agent listener) at warn, with what to check, once
-//! until the reason changes. On
+//! until the reason changes; a token refused while the agent's token file holds another by then
+//! is the last step of a rotation, said at info. On
 //! shutdown it sends the answers that wait and the counts not yet reported (waiting a bounded
 //! time for room), half-closes the stream and waits (bounded) for the server to close it, then
 //! (bounded too) for the last cache file write (see [`Closing`]).
@@ -424,10 +425,25 @@ async fn sessions(
             );
             backoff.back_off_fully();
         }
+        // A token refused while the file holds another by now: a rotation, said at info; a
+        // refusal of the new token is then warned of as any other.
+        let rotated = matches!(
+            code,
+            Some(tonic::Code::Unauthenticated | tonic::Code::PermissionDenied)
+        ) && match &config.token {
+            Some(source) => source.rotated(cancel).await,
+            None => false,
+        };
         let delay = backoff.next_delay(&mut rng);
         let delay_ms = u64::try_from(delay.as_millis()).unwrap_or(u64::MAX);
         let same = last_reason.as_deref().map(refusal_of) == Some(refusal_of(&reason));
         match (lasting(code), up) {
+            _ if rotated => info!(
+                %reason,
+                delay_ms,
+                "the control plane refused the token this stream was opened with, and the token \
+                 file holds another by now (a rotation?): reconnecting with it"
+            ),
             // Retrying will not change it: said at warn, once until the reason changes.
             (Some(check), _) if !same => {
                 warn!(
@@ -486,7 +502,7 @@ async fn sessions(
             unreachable_since = None;
             warned_unreachable = false;
         }
-        last_reason = Some(reason);
+        last_reason = (!rotated).then_some(reason);
         let sleep = tokio::time::sleep(delay);
         tokio::pin!(sleep);
         loop {

@@ -75,6 +75,23 @@ impl TokenSource {
             TokenSource::File(file) => file.read(cancel).await,
         }
     }
+
+    /// After the control plane refused the token the last stream was opened with: whether
+    /// the file holds another one now (read again, a new content confirmed as before). That is
+    /// the last step of a rotation done in order (the new secret added to the control plane,
+    /// the file rewritten, the old secret dropped), not a fault: the next stream uses it.
+    pub(crate) async fn rotated(&self, cancel: &CancellationToken) -> bool {
+        match self {
+            TokenSource::Fixed(_) => false,
+            TokenSource::File(file) => {
+                let used = file.lock().last.clone();
+                match file.read(cancel).await {
+                    Ok(now) => used.is_some_and(|used| used != now),
+                    Err(_) => false,
+                }
+            }
+        }
+    }
 }
 
 /// What a read of the token file answers: the token, or why not.
