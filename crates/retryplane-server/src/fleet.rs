@@ -986,33 +986,14 @@ impl Fleet {
         // of references, not a copy of every agent after it.
         let mut more = false;
         let agents: Vec<pb::AgentStatus> = if list {
-            let mut listed: Vec<&Entry> = inner
+            let listed: Vec<&Entry> = inner
                 .agents
                 .values()
                 .filter(|e| e.listed() && e.status.agent_id.as_str() > after)
                 .collect();
-            if listed.len() > size {
-                more = true;
-                listed
-                    .select_nth_unstable_by(size, |a, b| a.status.agent_id.cmp(&b.status.agent_id));
-                listed.truncate(size);
-            }
-            listed.sort_unstable_by(|a, b| a.status.agent_id.cmp(&b.status.agent_id));
-            // Agents choose how large their entries are (64 labels of 256 bytes): a page of a
-            // thousand may be 87 MB, so it is cut where it would pass `max_bytes`.
-            let mut bytes = 0usize;
-            let fit = listed
-                .iter()
-                .position(|e| {
-                    bytes = bytes.saturating_add(prost::Message::encoded_len(&e.status) + 4);
-                    bytes > max_bytes
-                })
-                .map_or(listed.len(), |at| at.max(1));
-            if fit < listed.len() {
-                more = true;
-                listed.truncate(fit);
-            }
-            listed.into_iter().map(|e| e.status.clone()).collect()
+            let (page, cut) = first_in_order(listed, size, max_bytes, PAGE_CHUNK);
+            more = cut;
+            page.into_iter().map(|e| e.status.clone()).collect()
         } else {
             Vec::new()
         };
@@ -1031,6 +1012,51 @@ impl Fleet {
             known,
         }
     }
+}
+
+/// How many agents [`first_in_order`] sorts first: a page cut by bytes (agents choose how
+/// large their entries are, up to about 87 KB) holds a few dozen of the largest, so sorting
+/// every agent after the page's start for each page, under the fleet's lock, would cost a
+/// listing of the whole fleet a sort of it per page.
+const PAGE_CHUNK: usize = 1024;
+
+/// The first of `listed` by agent id, at most `size` of them and no more than fit `max_bytes`
+/// as encoded (one at least), in order; and whether any were left out. Chosen by chunks, the
+/// first of `chunk` agents and each next one twice the last (each a selection over those
+/// left, then a sort of the chunk), so that a page costs a few passes over the agents and a
+/// sort of about the page, not a sort of them all.
+fn first_in_order(
+    mut listed: Vec<&Entry>,
+    size: usize,
+    max_bytes: usize,
+    chunk: usize,
+) -> (Vec<&Entry>, bool) {
+    let by_id = |a: &&Entry, b: &&Entry| a.status.agent_id.cmp(&b.status.agent_id);
+    let mut page = Vec::new();
+    let mut bytes = 0usize;
+    let mut chunk = chunk.max(1);
+    while page.len() < size && !listed.is_empty() {
+        let take = chunk.min(size - page.len()).min(listed.len());
+        chunk = chunk.saturating_mul(2);
+        if listed.len() > take {
+            listed.select_nth_unstable_by(take, by_id);
+        }
+        let mut next: Vec<&Entry> = listed.drain(..take).collect();
+        next.sort_unstable_by(by_id);
+        for (i, entry) in next.iter().enumerate() {
+            bytes = bytes.saturating_add(prost::Message::encoded_len(&entry.status) + 4);
+            if bytes > max_bytes && !page.is_empty() {
+                return (page, true);
+            }
+            page.push(*entry);
+            if bytes > max_bytes {
+                // One agent larger than the bound: sent alone.
+                return (page, i + 1 < next.len() || !listed.is_empty());
+            }
+        }
+    }
+    let more = !listed.is_empty();
+    (page, more)
 }
 
 /// One page of [`Fleet::status_page`].
@@ -2106,6 +2132,47 @@ mod tests {
         assert_eq!(fleet.status_page(true, "", 2, usize::MAX).agents.len(), 2);
         let tiny = fleet.status_page(true, "", usize::MAX, 1);
         assert_eq!((tiny.agents.len(), tiny.next.as_str()), (1, "a-0"));
+    }
+
+    /// A page chosen a chunk at a time is the page a sort of every agent gives: the same
+    /// agents, in order, cut at the same count or byte bound, saying the same about the rest.
+    #[test]
+    fn a_page_chosen_by_chunks_is_the_page_of_a_whole_sort() {
+        let fleet = Fleet::new(1000);
+        for i in 0..200u32 {
+            // Ids out of order; entries of three sizes.
+            let id = format!("a-{:03}", (i * 73) % 200);
+            let hello = pb::Hello {
+                labels: (0..i % 3)
+                    .map(|l| (format!("k{l}"), "v".repeat(500)))
+                    .collect(),
+                ..hello(&id)
+            };
+            fleet.register(&hello, None, None).unwrap();
+        }
+        let inner = fleet.lock();
+        let every = || -> Vec<&Entry> { inner.agents.values().collect() };
+        let whole =
+            |size: usize, max_bytes: usize| first_in_order(every(), size, max_bytes, usize::MAX);
+        let ids = |(page, more): (Vec<&Entry>, bool)| {
+            let ids: Vec<String> = page.iter().map(|e| e.status.agent_id.clone()).collect();
+            (ids, more)
+        };
+        let mut sorted: Vec<String> = every().iter().map(|e| e.status.agent_id.clone()).collect();
+        sorted.sort();
+        assert_eq!(ids(whole(usize::MAX, usize::MAX)), (sorted.clone(), false));
+        assert_eq!(ids(whole(7, usize::MAX)), (sorted[..7].to_vec(), true));
+        for size in [1, 5, 64, 199, 200, 201, usize::MAX] {
+            for max_bytes in [1, 100, 700, 5_000, 40_000, usize::MAX] {
+                for chunk in [0, 1, 2, 3, 16, 1024] {
+                    assert_eq!(
+                        ids(first_in_order(every(), size, max_bytes, chunk)),
+                        ids(whole(size, max_bytes)),
+                        "size {size}, max_bytes {max_bytes}, chunk {chunk}"
+                    );
+                }
+            }
+        }
     }
 
     #[test]
