@@ -3139,3 +3139,46 @@ async fn a_document_larger_than_a_file_can_hold_is_refused_on_its_bytes_after_th
         running.shutdown().await.unwrap();
     }
 }
+
+/// A running control plane warns of what its tokens file lets no one do, at start and at each
+/// reload: no agent token (no agent can connect), and in API mode no admin token; a file that
+/// gives every role is not warned of.
+#[tokio::test]
+async fn a_tokens_file_missing_a_role_is_warned_of_at_start_and_at_each_reload() {
+    const NO_AGENT: &str = "no `agent` token: no agent can connect";
+    const NO_ADMIN: &str = "no `admin` token: no one can apply";
+    let (dir, mut cfg) = with_file(V1);
+    let tokens_file = dir.path().join("tokens.yaml");
+    fs::write(
+        &tokens_file,
+        "tokens: [{name: ops, role: viewer, secret: viewer-secret-0123456789}]\n",
+    )
+    .unwrap();
+    cfg.tokens_file = Some(tokens_file.clone());
+    cfg.api_mode = true;
+    let (running, text) = start_logged(cfg, "retryplane_server=warn").await;
+    assert!(text.contains(NO_AGENT) && text.contains(NO_ADMIN), "{text}");
+    let reload = |running: &Running| {
+        let (log, guard) = crate::test_logs::capture("retryplane_server=warn");
+        assert!(running.reload_tokens().unwrap().is_some());
+        drop(guard);
+        log.text()
+    };
+    fs::write(&tokens_file, TOKENS).unwrap();
+    let text = reload(&running);
+    assert!(
+        !text.contains(NO_AGENT) && !text.contains(NO_ADMIN),
+        "{text}"
+    );
+    fs::write(
+        &tokens_file,
+        "tokens: [{name: alice, role: admin, secret: admin-secret-0123456789}]\n",
+    )
+    .unwrap();
+    let text = reload(&running);
+    assert!(
+        text.contains(NO_AGENT) && !text.contains(NO_ADMIN),
+        "{text}"
+    );
+    running.shutdown().await.unwrap();
+}
