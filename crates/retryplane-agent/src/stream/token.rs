@@ -354,10 +354,21 @@ mod tests {
         crate::agent::bearer(token).unwrap()
     }
 
+    /// A read of `file`, failing the test rather than hanging it if the read's own bound
+    /// were lost.
+    async fn bounded(
+        file: &TokenFile,
+        cancel: &CancellationToken,
+    ) -> Result<AsciiMetadataValue, NoToken> {
+        tokio::time::timeout(Duration::from_secs(30), file.read(cancel))
+            .await
+            .expect("a read of the token file ends within its bound")
+    }
+
     /// Asserts that the next read of `file` gives `token`.
     async fn reads(file: &TokenFile, token: &str) {
         let cancel = CancellationToken::new();
-        assert_eq!(file.read(&cancel).await.unwrap(), bearer(token));
+        assert_eq!(bounded(file, &cancel).await.unwrap(), bearer(token));
     }
 
     /// A token file's content is its token, the white space around it left out; one that
@@ -540,11 +551,11 @@ mod tests {
         let (file, answer) = under_way(&dir.path().join("token"), None);
         let cancelled = CancellationToken::new();
         cancelled.cancel();
-        assert_eq!(file.read(&cancelled).await, Err(NoToken::Cancelled));
+        assert_eq!(bounded(&file, &cancelled).await, Err(NoToken::Cancelled));
         let cancel = CancellationToken::new();
         for _ in 0..2 {
             assert_eq!(
-                file.read(&cancel).await,
+                bounded(&file, &cancel).await,
                 Err(NoToken::NotRead(
                     "it could not be read within 10 ms (a volume that does not answer?)".to_owned()
                 ))
@@ -566,7 +577,7 @@ mod tests {
         answer.send(Err("cannot open it: gone".to_owned())).unwrap();
         let cancel = CancellationToken::new();
         assert_eq!(
-            file.read(&cancel).await,
+            bounded(&file, &cancel).await,
             Err(NoToken::NotRead("cannot open it: gone".to_owned()))
         );
         assert!(
