@@ -2152,8 +2152,26 @@ mod tests {
         }
         let inner = fleet.lock();
         let every = || -> Vec<&Entry> { inner.agents.values().collect() };
-        let whole =
-            |size: usize, max_bytes: usize| first_in_order(every(), size, max_bytes, usize::MAX);
+        // The page as it was chosen before chunks: every agent left sorted at once.
+        let whole = |size: usize, max_bytes: usize| {
+            let mut listed = every();
+            let mut more = listed.len() > size;
+            listed.sort_unstable_by(|a, b| a.status.agent_id.cmp(&b.status.agent_id));
+            listed.truncate(size);
+            let mut bytes = 0usize;
+            let fit = listed
+                .iter()
+                .position(|e| {
+                    bytes = bytes.saturating_add(prost::Message::encoded_len(&e.status) + 4);
+                    bytes > max_bytes
+                })
+                .map_or(listed.len(), |at| at.max(1));
+            if fit < listed.len() {
+                more = true;
+                listed.truncate(fit);
+            }
+            (listed, more)
+        };
         let ids = |(page, more): (Vec<&Entry>, bool)| {
             let ids: Vec<String> = page.iter().map(|e| e.status.agent_id.clone()).collect();
             (ids, more)
@@ -2164,7 +2182,7 @@ mod tests {
         assert_eq!(ids(whole(7, usize::MAX)), (sorted[..7].to_vec(), true));
         for size in [1, 5, 64, 199, 200, 201, usize::MAX] {
             for max_bytes in [1, 100, 700, 5_000, 40_000, usize::MAX] {
-                for chunk in [0, 1, 2, 3, 16, 1024] {
+                for chunk in [0, 1, 2, 3, 16, 1024, usize::MAX] {
                     assert_eq!(
                         ids(first_in_order(every(), size, max_bytes, chunk)),
                         ids(whole(size, max_bytes)),
