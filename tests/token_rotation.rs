@@ -61,7 +61,8 @@ impl AgentLogs {
 /// A rotation done in the order README gives (the new secret added beside the old one, the
 /// agent's file rewritten, the old secret dropped): the agent's stream ends with
 /// UNAUTHENTICATED and it comes back with the new secret, saying so at info, not warning that
-/// the control plane refuses it. A refusal of the token its file then holds is still warned of.
+/// the control plane refuses it. When the token its file then holds is dropped too, that is
+/// warned of, though the refusal's reason is the rotation's.
 #[tokio::test(flavor = "current_thread")]
 async fn a_rotation_in_order_moves_the_agent_without_a_warning() {
     const ADMIN: &str = "admin-secret-0123456789";
@@ -128,15 +129,22 @@ async fn a_rotation_in_order_moves_the_agent_without_a_warning() {
     );
     assert!(!text.contains("WARN"), "nothing warned: {text}");
 
-    // The file rewritten with a secret the control plane does not know, and the stream ended
-    // (the new secret dropped in turn): that refusal is warned of.
-    std::fs::write(&token_file, "unknown-agent-secret-01\n").unwrap();
+    // The new secret dropped in turn while the file still holds it: no rotation, and the
+    // refusal is warned of, though its reason is the one the rotation ended with.
     write_tokens(&[("fleet-2027", "other-agent-secret-0123")]);
     assert_eq!(plane.running.reload_tokens().unwrap(), Some(2));
-    eventually("the unknown secret's refusal is warned of", || async {
+    eventually("the refusal of the file's token is warned of", || async {
         logs.text().contains("the control plane refuses this agent")
     })
     .await;
+    // At the stream's end, not only at the next stream's refusal (`unknown token`).
+    let text = logs.text();
+    let warned = text
+        .lines()
+        .find(|l| l.contains("the control plane refuses this agent"))
+        .unwrap();
+    assert!(warned.contains("no longer an agent token"), "{text}");
+
     agent.shutdown().await;
     assert!(
         !logs.text().contains("secret-01"),

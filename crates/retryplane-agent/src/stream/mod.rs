@@ -14,8 +14,8 @@
 //! [`ReconnectBackoff`] delay and tries again; the policies in force are never dropped. Each
 //! loss is logged at info, but a refusal that trying again will not fix (a token refused, a Hello
 //! refused as invalid, a URL that is not the agent listener) at warn, with what to check, once
-//! until the reason changes; a token refused while the agent's token file holds another by then
-//! is the last step of a rotation, said at info. On
+//! until the reason changes; an open stream whose token the control plane dropped, while the
+//! agent's token file holds another by then, is the last step of a rotation, said at info. On
 //! shutdown it sends the answers that wait and the counts not yet reported (waiting a bounded
 //! time for room), half-closes the stream and waits (bounded) for the server to close it, then
 //! (bounded too) for the last cache file write (see [`Closing`]).
@@ -425,15 +425,17 @@ async fn sessions(
             );
             backoff.back_off_fully();
         }
-        // A token refused while the file holds another by now: a rotation, said at info; a
-        // refusal of the new token is then warned of as any other.
-        let rotated = matches!(
-            code,
-            Some(tonic::Code::Unauthenticated | tonic::Code::PermissionDenied)
-        ) && match &config.token {
-            Some(source) => source.rotated(cancel).await,
-            None => false,
-        };
+        // An open stream ended because its secret was dropped (UNAUTHENTICATED; a secret
+        // known but refused for this agent id or service is PERMISSION_DENIED) while the file
+        // holds another token by now: a rotation done in order, said at info; a refusal of the
+        // new token is then warned of as any other. A refusal at a stream's opening is never
+        // taken for one: a file flipping between two refused tokens stays warned of.
+        let rotated = up.is_some()
+            && code == Some(tonic::Code::Unauthenticated)
+            && match &config.token {
+                Some(source) => source.rotated(cancel).await,
+                None => false,
+            };
         let delay = backoff.next_delay(&mut rng);
         let delay_ms = u64::try_from(delay.as_millis()).unwrap_or(u64::MAX);
         let same = last_reason.as_deref().map(refusal_of) == Some(refusal_of(&reason));

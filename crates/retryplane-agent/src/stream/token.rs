@@ -1,6 +1,7 @@
 //! The agent token each stream is opened with: the one given to
 //! [`crate::AgentBuilder::token`], or the content of the file given to
-//! [`crate::AgentBuilder::token_file`], read again before each stream is opened, so that a
+//! [`crate::AgentBuilder::token_file`], read again before each stream is opened (and after
+//! the control plane ends a stream for its token, to tell a rotation from a fault), so that a
 //! rotated secret (a mounted Kubernetes secret, a file a vault agent rewrites) reaches a
 //! running service without a restart. A read that fails, or finds no token a control plane
 //! could hold, keeps the token read before, warned of once until the reason changes; the file
@@ -76,10 +77,11 @@ impl TokenSource {
         }
     }
 
-    /// After the control plane refused the token the last stream was opened with: whether
-    /// the file holds another one now (read again, a new content confirmed as before). That is
-    /// the last step of a rotation done in order (the new secret added to the control plane,
-    /// the file rewritten, the old secret dropped), not a fault: the next stream uses it.
+    /// After the control plane ended a stream because it dropped the token the stream was
+    /// opened with: whether the file holds another one now (read again, a new content
+    /// confirmed as before; a read that fails or is slow answers `false`). That is the last
+    /// step of a rotation done in order (the new secret added to the control plane, the file
+    /// rewritten, the old secret dropped), not a fault: the next stream uses it.
     pub(crate) async fn rotated(&self, cancel: &CancellationToken) -> bool {
         match self {
             TokenSource::Fixed(_) => false,
