@@ -120,7 +120,7 @@ enum Command {
     Simulate(simulate::Args),
     /// Make one HTTP call under an endpoint's policy and show every attempt.
     #[command(
-        after_help = "Causes of a failure (JSON `cause`): not_retryable, attempts_exhausted, budget_exhausted, deadline_exceeded, retry_after_too_long, circuit_open (SPEC §5); and cancelled when Ctrl-C stops the call. Exit codes: 0 success, 1 the call failed (cancelled included), 2 usage or configuration."
+        after_help = "Causes of a failure (JSON `cause`): not_retryable, attempts_exhausted, budget_exhausted, deadline_exceeded, retry_after_too_long, circuit_open (SPEC §5); and cancelled when Ctrl-C stops the call. When the cause alone does not say why (a failure not retried for its method or not in retry_on, a hint over retry_after.max, a pause past the deadline), a line on stderr does. Exit codes: 0 success, 1 the call failed (cancelled included), 2 usage or configuration."
     )]
     Request(request::Args),
     /// Print the completion script of a shell (bash, zsh, fish, elvish, powershell).

@@ -52,6 +52,7 @@ use std::fmt;
 use std::path::PathBuf;
 use std::rc::Rc;
 use std::str::FromStr;
+use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{Context as _, bail};
@@ -63,6 +64,8 @@ use retryplane_agent::{
 };
 use retryplane_policy::document::Target;
 use retryplane_policy::duration::format_duration;
+use retryplane_policy::model::{ErrorClass, RetryPolicy};
+use retryplane_policy::retry_after::Pushback;
 use tokio::time::Instant;
 
 use crate::admin::Token;
@@ -758,14 +761,29 @@ async fn call(agent: &Agent, s: &Settings) -> anyhow::Result<Summary> {
             if let Some(err) = e.error() {
                 output::error(format_args!("{}", ErrorChain(err)));
             }
-            // `retry_after_too_long` alone does not say which pause was asked for, nor what
-            // the policy allows: both, so that the fix (the policy's max, or the upstream's
-            // hint) is plain.
-            if e.cause == Cause::GaveUp(GiveUpCause::RetryAfterTooLong)
-                && let Some(answer) = e.response().filter(|_| !cut)
-                && let Some(why) = hint_over_the_max(agent, s, answer)
+            // A cause alone does not say what the policy found in the last answer: why it was
+            // not retried, which pause was asked for, what was left of the deadline. Said,
+            // so that the fix (the policy, the request or the upstream's hint) is plain.
+            if let Cause::GaveUp(cause) = e.cause
+                && !cut
             {
-                output::note(format_args!("retryplane: {why}"));
+                let last = match e.response() {
+                    Some(answer) => match answer.classify() {
+                        Classification::Outcome(outcome) => Some(outcome),
+                        _ => None,
+                    },
+                    None => attempts
+                        .last()
+                        .and_then(|a| a.error)
+                        .and_then(|class| ErrorClass::ALL.into_iter().find(|c| c.as_str() == class))
+                        .map(Outcome::Transport),
+                };
+                if let Some(last) = last
+                    && let Some(why) =
+                        why_it_gave_up(&policy_of(agent, s), s, cause, &last, elapsed)
+                {
+                    output::note(format_args!("retryplane: {why}"));
+                }
             }
             Summary {
                 success: false,
@@ -778,37 +796,121 @@ async fn call(agent: &Agent, s: &Settings) -> anyhow::Result<Summary> {
     })
 }
 
-/// Why a call gave up with `retry_after_too_long`: the pause `answer` asked for and the
-/// `retry_after.max` of the policy the call ran under (the one in force now, which a push during
-/// the call may have changed). `None` when `answer` holds no hint over that maximum.
-fn hint_over_the_max(agent: &Agent, s: &Settings, answer: &http::Response<()>) -> Option<String> {
-    let Classification::Outcome(outcome) = answer.classify() else {
-        return None;
-    };
-    let (hint, pushback) = outcome.hint()?;
-    let header = if pushback {
-        "grpc-retry-pushback-ms"
-    } else {
-        "Retry-After"
-    };
+/// The policy the call ran under, as far as it can be known after it: the one in force now
+/// for the request's endpoint and path (a push during the call may have changed it).
+fn policy_of(agent: &Agent, s: &Settings) -> Arc<RetryPolicy> {
     let snapshot = agent.policies();
     let target = Target::Http {
         method: s.method.as_str(),
         path: s.url.path(),
     };
-    let policy = snapshot
+    snapshot
         .set()
         .and_then(|set| set.resolve(&s.endpoint, &target))
-        .unwrap_or_else(|| snapshot.defaults());
-    let max = policy.retry_after.max;
-    (hint > max).then(|| {
-        format!(
-            "the answer's {header} asked for a pause of {} before a retry, over the policy's \
-             retry_after.max of {}",
-            format_duration(hint),
-            format_duration(max)
-        )
-    })
+        .cloned()
+        .unwrap_or_else(|| snapshot.defaults().clone())
+}
+
+/// What the policy made of the last attempt's outcome `last`, for a call that gave up with
+/// `cause` after `elapsed`, when the cause alone leaves it out: a failure not retried for its
+/// method (no idempotency key) or because `retry_on` does not list it, a hint over
+/// `retry_after.max`, a deadline given up on before it passed. `None` when the cause says it.
+fn why_it_gave_up(
+    policy: &RetryPolicy,
+    s: &Settings,
+    cause: GiveUpCause,
+    last: &Outcome,
+    elapsed: Duration,
+) -> Option<String> {
+    let what = match last {
+        Outcome::Http { status, .. } => format!("HTTP {status}"),
+        Outcome::Grpc { code, .. } => format!("gRPC {}", code.name()),
+        Outcome::Transport(class) => format!("a {} error", class.as_str()),
+    };
+    let hint = last.hint().map(|(hint, pushback)| {
+        let header = if pushback {
+            "grpc-retry-pushback-ms"
+        } else {
+            "Retry-After"
+        };
+        (hint, header)
+    });
+    match cause {
+        GiveUpCause::NotRetryable => {
+            if matches!(
+                last,
+                Outcome::Grpc {
+                    pushback: Some(Pushback::DoNotRetry),
+                    ..
+                }
+            ) {
+                return Some(format!(
+                    "the answer ({what}) said not to retry it (grpc-retry-pushback-ms)"
+                ));
+            }
+            if !last.listed_in(&policy.retry_on) {
+                return Some(format!("the policy's retry_on does not list {what}"));
+            }
+            let method = s.method.as_str();
+            let key = &*policy.idempotency_key_header;
+            let has_key = s
+                .headers
+                .get_all(key)
+                .iter()
+                .any(|v| !v.as_bytes().trim_ascii().is_empty());
+            if policy.is_idempotent(method) || has_key {
+                return None;
+            }
+            // A timeout or a reset leaves the outcome unknown: such a retry needs the key even
+            // where a failed answer's would.
+            let unknown = if matches!(
+                last,
+                Outcome::Transport(ErrorClass::Reset | ErrorClass::Timeout)
+            ) {
+                " it leaves the outcome unknown (the upstream may have handled the request), and"
+            } else {
+                ""
+            };
+            Some(format!(
+                "{what} is one the policy retries, but{unknown} a {method} is retried only with \
+                 the `{key}` header, with a value that is not blank: {method} is not among the \
+                 policy's idempotent methods ({})",
+                policy.idempotent_methods.join(", ")
+            ))
+        }
+        GiveUpCause::RetryAfterTooLong => {
+            let (hint, header) = hint?;
+            let max = policy.retry_after.max;
+            (hint > max).then(|| {
+                format!(
+                    "the answer's {header} asked for a pause of {} before a retry, over the \
+                     policy's retry_after.max of {}",
+                    format_duration(hint),
+                    format_duration(max)
+                )
+            })
+        }
+        GiveUpCause::DeadlineExceeded => {
+            let left = policy.deadline.checked_sub(elapsed)?;
+            // Given up on before it passed: the next pause would have ended past it.
+            let asked = match hint {
+                Some((hint, header)) if policy.retry_after.honor && hint >= left => {
+                    format!(
+                        ", the answer's {header} asking for {}",
+                        format_duration(hint)
+                    )
+                }
+                _ => String::new(),
+            };
+            Some(format!(
+                "the call gave up with {} of the policy's deadline of {} left: the pause \
+                 before the next attempt would have ended past it{asked}",
+                format_duration(left),
+                format_duration(policy.deadline)
+            ))
+        }
+        _ => None,
+    }
 }
 
 /// Sends one request and reads the whole body, keeping none of it.

@@ -1553,3 +1553,91 @@ fn ctrl_c_during_a_retry_leaves_no_final_status() {
     assert_eq!(v["attempts"][0]["status"], 503, "{v}");
     assert_eq!(v["attempts"][1]["status"], Value::Null, "{v}");
 }
+
+/// The stderr of `request_output`, once the call exited 1.
+fn failed_stderr(policy: &str, args: &[&str]) -> String {
+    let out = request_output(policy, args);
+    assert_eq!(out.status.code(), Some(1), "{out:?}");
+    String::from_utf8(out.stderr).unwrap()
+}
+
+/// A failure that was not retried says why on stderr: the method and the missing key for a
+/// failure the policy retries, a timeout's unknown outcome, or `retry_on` not listing it.
+#[test]
+fn a_failure_not_retried_says_why() {
+    let up = Upstream::start(&[(503, "")]);
+    assert_eq!(
+        failed_stderr(POLICY, &["--data", "x", &up.url("/v1/charges")]),
+        "retryplane: HTTP 503 is one the policy retries, but a POST is retried only with the \
+         `Idempotency-Key` header, with a value that is not blank: POST is not among the \
+         policy's idempotent methods (GET, HEAD, OPTIONS, PUT, DELETE)\n"
+    );
+    // A blank key is no key.
+    let up = Upstream::start(&[(503, "")]);
+    let blank = failed_stderr(
+        POLICY,
+        &[
+            "-H",
+            "Idempotency-Key;",
+            "--data",
+            "x",
+            &up.url("/v1/charges"),
+        ],
+    );
+    assert!(blank.contains("a POST is retried only with"), "{blank}");
+
+    let up = Upstream::start(&[(HANG, "")]);
+    let policy = format!("{POLICY}    per_try_timeout: 300ms\n");
+    assert_eq!(
+        failed_stderr(&policy, &["--data", "x", &up.url("/v1/charges")]),
+        "retryplane: a timeout error is one the policy retries, but it leaves the outcome \
+         unknown (the upstream may have handled the request), and a POST is retried only with \
+         the `Idempotency-Key` header, with a value that is not blank: POST is not among the \
+         policy's idempotent methods (GET, HEAD, OPTIONS, PUT, DELETE)\n"
+    );
+
+    let up = Upstream::start(&[(404, "")]);
+    assert_eq!(
+        failed_stderr(POLICY, &[&up.url("/missing")]),
+        "retryplane: the policy's retry_on does not list HTTP 404\n"
+    );
+
+    let up = Upstream::start(&[(
+        200,
+        "content-type: application/grpc\r\ngrpc-status: 14\r\ngrpc-retry-pushback-ms: -1\r\n",
+    )]);
+    assert_eq!(
+        failed_stderr(POLICY, &[&up.url("/pkg.Svc/M")]),
+        "retryplane: the answer (gRPC UNAVAILABLE) said not to retry it \
+         (grpc-retry-pushback-ms)\n"
+    );
+}
+
+/// A call given up on before its deadline passed (the next pause would have ended past it)
+/// says how much was left, and the hint that asked for the pause.
+#[test]
+fn a_pause_past_the_deadline_is_said_with_what_was_left() {
+    let up = Upstream::start(&[(503, "retry-after: 1\r\n")]);
+    let policy = format!("{POLICY}    deadline: 1s\n    per_try_timeout: 500ms\n");
+    let stderr = failed_stderr(&policy, &[&up.url("/")]);
+    assert!(
+        stderr.starts_with("retryplane: the call gave up with ")
+            && stderr.ends_with(
+                " of the policy's deadline of 1s left: the pause before the next attempt would \
+                 have ended past it, the answer's Retry-After asking for 1s\n"
+            ),
+        "{stderr}"
+    );
+    // Without a hint: the backoff's own pause did not fit.
+    let up = Upstream::start(&[(503, ""), (503, "")]);
+    let policy = "version: 1\nendpoints:\n  api:\n    deadline: 1s\n    per_try_timeout: 1s\n    backoff: {base: 2s, max: \
+                  2s, jitter: none}\n";
+    let stderr = failed_stderr(policy, &[&up.url("/")]);
+    assert!(
+        stderr.ends_with(
+            " of the policy's deadline of 1s left: the pause before the next attempt would \
+             have ended past it\n"
+        ),
+        "{stderr}"
+    );
+}
