@@ -99,6 +99,7 @@ enum Command {
     /// disconnected, the other agents the server still remembers.
     Status(admin::status::Args),
     /// Print the fleet's retry metrics per service and endpoint, and lifetime totals.
+    #[command(after_help = admin::GIVE_UPS_HELP)]
     Stats(admin::stats::Args),
     /// A live view of the retry metrics, worst retry ratio first; q, Esc or Ctrl-C quits.
     ///
@@ -108,6 +109,7 @@ enum Command {
     /// admin commands do), a later one that fails other than by a refusal (the server cannot be
     /// reached, or gives no answer within 30 s) is a warning on stderr and is tried again at
     /// the next interval, and a refusal ends it with exit 1.
+    #[command(after_help = admin::GIVE_UPS_HELP)]
     Top(admin::top::Args),
     /// Run the control plane until SIGTERM or Ctrl-C.
     Serve(serve::Args),

@@ -334,6 +334,22 @@ fn explain_shows_a_route_turning_the_shared_budget_off() {
     );
 }
 
+/// The budget line says whose calls its rates are: each agent process's, not the fleet's.
+#[test]
+fn explain_says_the_budget_is_each_agent_process_s_own() {
+    let dir = dir_with(&[("p.yaml", "version: 1\nendpoints:\n  payments: {}\n")]);
+    let out = explained(dir.path(), "p.yaml", "payments", &[]);
+    let line = out
+        .lines()
+        .find(|l| l.trim_start().starts_with("budget "))
+        .unwrap_or_else(|| panic!("no budget line in:\n{out}"));
+    assert!(
+        line.contains("calls/s up")
+            && line.ends_with("; each agent process counts its own calls and retries"),
+        "{line}"
+    );
+}
+
 /// A ratio so small that no traffic reaches it is said to add nothing, not to apply "from
 /// inf calls/s up".
 #[test]
@@ -985,6 +1001,30 @@ fn explain_of_an_invalid_file_prints_what_validate_prints_and_exits_one() {
         .assert()
         .code(1)
         .stdout(validate);
+}
+
+/// A `--grpc` that is not a method's path is refused naming the one form explain takes, not
+/// the `/pkg.Service/*` a route may also be, which explain refuses in turn.
+#[test]
+fn explain_refuses_a_grpc_path_naming_the_form_it_takes() {
+    let dir = dir_with(&[("layers.yaml", LAYERED)]);
+    for (given, told) in [
+        (
+            "search.v1.Indexer/Put",
+            "retryplane: error: --grpc: `search.v1.Indexer/Put` is not a gRPC method's path: \
+             write `/pkg.Service/Method`\n",
+        ),
+        (
+            "/search.v1.Indexer/*",
+            "retryplane: error: --grpc /search.v1.Indexer/*: explain shows one call; name a \
+             method, such as `/search.v1.Indexer/Method`\n",
+        ),
+    ] {
+        explain(dir.path(), "layers.yaml", "search", &["--grpc", given])
+            .assert()
+            .code(2)
+            .stderr(told);
+    }
 }
 
 #[test]

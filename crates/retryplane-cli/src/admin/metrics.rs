@@ -15,6 +15,13 @@
 
 use std::fmt::Write as _;
 
+/// What the give-up column's short names stand for, as `stats --help` and `top --help` say it.
+pub const GIVE_UPS_HELP: &str = "GIVE-UPS lists the calls that ended without success in the \
+window, by cause: att attempts exhausted, bud retry budget exhausted, dl deadline (reached, or \
+a pause that would have passed it), ra a Retry-After hint over retry_after.max, nr not \
+retryable, open refused by an open circuit breaker (or stopped by one before a retry), cancel \
+cancelled or dropped by their caller; - when none.";
+
 use retryplane_proto::pb;
 use retryplane_proto::rank::{Rank, worst_first};
 use retryplane_server::aggregate::window::WINDOWS;
@@ -625,6 +632,14 @@ pub(crate) mod tests {
             ..Default::default()
         };
         assert_eq!(give_ups(&all), "att:1 bud:2 dl:3 ra:4 nr:5 open:6 cancel:7");
+        // Each short name the column shows is told in `--help`.
+        for shown in give_ups(&all).split(' ') {
+            let name = shown.split(':').next().unwrap();
+            assert!(
+                GIVE_UPS_HELP.contains(&format!(" {name} ")),
+                "{name} is not in GIVE_UPS_HELP"
+            );
+        }
     }
 
     #[test]

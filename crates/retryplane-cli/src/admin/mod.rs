@@ -47,6 +47,8 @@ pub mod rollback;
 pub mod stats;
 pub mod status;
 mod time;
+
+pub use metrics::GIVE_UPS_HELP;
 pub mod top;
 
 use std::fmt;

@@ -131,7 +131,11 @@ impl TryFrom<Args> for Settings {
                     "--grpc {grpc}: explain shows one call; name a method, such as `{}`",
                     grpc.replace('*', "Method")
                 ),
-                Err(e) => bail!("--grpc: {e}"),
+                // The route parser's words offer `/pkg.Service/*`, which a route may be and a
+                // call may not.
+                Err(_) => bail!(
+                    "--grpc: `{grpc}` is not a gRPC method's path: write `/pkg.Service/Method`"
+                ),
             },
             (None, None, None) => Call::Endpoint,
             (None, method, path) => {

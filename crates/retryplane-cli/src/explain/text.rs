@@ -217,7 +217,7 @@ fn load(out: &mut String, l: &Load) {
                 b.reserve_per_window,
                 format_duration(b.window_ms.0)
             );
-            match b.ratio_applies_from_calls_per_second {
+            let text = match b.ratio_applies_from_calls_per_second {
                 // No reserve: there is no "below that"; with no ratio either, no retry at all.
                 Some(_) if b.reserve_per_window == 0 => format!(
                     "up to {}x at any traffic (1 + ratio {:?}: at most {:?} retries per call over the window); \
@@ -242,7 +242,9 @@ fn load(out: &mut String, l: &Load) {
                     b.ratio,
                 ),
                 None => format!("ratio 0: only the reserve of {reserve}, whatever the traffic"),
-            }
+            };
+            // Rates an operator would otherwise read as the fleet's.
+            format!("{text}; each agent process counts its own calls and retries")
         }
     };
     let rows = vec![
