@@ -233,10 +233,9 @@ fn apply_get_history_diff_rollback_and_status_work_against_a_real_server() {
         "{current}"
     );
     assert!(
-        current
-            .lines()
-            .nth(1)
-            .is_some_and(|l| l.ends_with("retryplane apply FILE --expected-version 2")),
+        current.lines().nth(1).is_some_and(|l| l
+            .starts_with("# in file mode, edit the control plane's own policy file; ")
+            && l.ends_with("retryplane apply FILE --expected-version 2")),
         "{current}"
     );
     let past = server

@@ -3,8 +3,9 @@
 //! `--output yaml` (the default) prints it as a policy file, ready for `validate`, an edit and
 //! `apply` (one line an endpoint when block style would be over a file's size limit; a warning
 //! on stderr when even that is). It opens with a comment naming the version, its hash and the
-//! server, and, when no `--version` was given (the current version then), how to apply an
-//! edit of it only while it is still current (`--expected-version N`): a version looked up
+//! server, and, when no `--version` was given (the current version then), how to change it:
+//! in file mode by editing the control plane's policy file, in API mode by applying an edit
+//! of it only while it is still current (`--expected-version N`): a version looked up
 //! after the `get` may be a newer one, whose changes an edit of the older one would undo. The
 //! comment is left out (with a note on stderr) when it would take the file over the size limit, and with
 //! `--no-header` (for a file kept in version control, which would otherwise change with the
@@ -144,8 +145,9 @@ fn header(info: &retryplane_proto::pb::VersionInfo, server: &str, current: bool)
     );
     if current {
         header.push_str(&format!(
-            "# in API mode, to apply an edit of it only while it is current: retryplane apply \
-             FILE --expected-version {version}\n"
+            "# in file mode, edit the control plane's own policy file; in API mode, to apply an \
+             edit of it only while it is current: retryplane apply FILE --expected-version \
+             {version}\n"
         ));
     }
     header
