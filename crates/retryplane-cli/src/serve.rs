@@ -12,7 +12,9 @@
 //! a second one during the drain exits 0 at once.
 //! SIGHUP reads the tokens file again (`Running::reload_tokens`): added, rotated and removed
 //! tokens take effect at once, agent streams whose secret was removed end, and a file that
-//! cannot be used is logged and leaves the tokens in force.
+//! cannot be used is logged and leaves the tokens in force. In file mode it also has the
+//! policy file read now (`Running::read_policy_file_again`), as a save would, rather than at
+//! the next rescan when no watch saw the save.
 //! Anything that stops the start (a bad tokens file, an invalid policy file with an empty
 //! store, a seed file named with `--api --config` that is missing, a port in use) exits 2 with
 //! the reason.
@@ -458,7 +460,14 @@ async fn serve(settings: ServeConfig) -> anyhow::Result<()> {
             // read on a thread of its own, not waited for here: a read that does not end (a
             // file on a network mount that does not answer) must not keep this loop from
             // SIGTERM (see `Reloads`).
-            () = hangups.recv() => reloads.hangup(|| running.tokens_reload()),
+            () = hangups.recv() => {
+                // In file mode, the policy file too: read by its watcher, as a save would be
+                // (on a network mount no watch may see one until the rescan).
+                if running.read_policy_file_again() {
+                    info!("SIGHUP: reading the policy file again");
+                }
+                reloads.hangup(|| running.tokens_reload());
+            }
         }
     };
     // A second SIGTERM or Ctrl-C stops at once, not waiting out the drain's grace (a person

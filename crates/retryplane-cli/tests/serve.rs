@@ -208,7 +208,16 @@ async fn sighup_reloads_the_tokens_file_and_a_bad_one_keeps_the_tokens_in_force(
         .unwrap();
     };
     write("first-secret-0123456789");
-    let (child, addrs) = serve(dir.path(), &["--tokens", "tokens.yaml"]).await;
+    let log = dir.path().join("serve.log");
+    let stderr = Stdio::from(std::fs::File::create(&log).unwrap());
+    let (child, addrs) = process::serve_logging(
+        dir.path(),
+        POLICY,
+        &["--tokens", "tokens.yaml"],
+        stderr,
+        "warn,retryplane=info",
+    )
+    .await;
     let admin = addrs[1].1.clone();
     let pid = child.id().unwrap().to_string();
     let hangup = || async {
@@ -233,6 +242,12 @@ async fn sighup_reloads_the_tokens_file_and_a_bad_one_keeps_the_tokens_in_force(
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     assert!(rotated, "the new secret was not taken after SIGHUP");
+    // In file mode the policy file is read again too.
+    let logged = std::fs::read_to_string(&log).unwrap();
+    assert!(
+        logged.contains("SIGHUP: reading the policy file again"),
+        "{logged}"
+    );
     assert_eq!(get_with_token(&admin, "first-secret-0123456789").await, 1);
     // A file that cannot be used does not stop the server (the server's own tests check that
     // the tokens in force stay).

@@ -104,6 +104,8 @@ pub struct Running {
     servers: JoinSet<Result<(), ServeError>>,
     background: Vec<JoinHandle<()>>,
     tokens: Option<Arc<TokenSet>>,
+    /// In file mode, asks the policy file's watcher for a read.
+    read_again: Option<crate::watch::ReadAgain>,
     /// The gRPC listeners' connections, closed at the end of the shutdown's grace.
     connections: Connections,
 }
@@ -318,6 +320,7 @@ pub async fn start(cfg: ServeConfig) -> Result<Running, ServeError> {
         shutdown_rx.clone(),
     )];
     let mut start_read = None;
+    let mut read_again = None;
     if !cfg.api_mode {
         // Watch before the first read, so a save during start-up is not missed.
         let (task, read) = crate::watch::spawn_before_start(
@@ -327,6 +330,7 @@ pub async fn start(cfg: ServeConfig) -> Result<Running, ServeError> {
             shutdown_rx.clone(),
         )?;
         background.push(task);
+        read_again = Some(read.read_again());
         start_read = Some(read);
     }
     // What the store holds is served first: the start's own change (a file edited while the
@@ -480,6 +484,7 @@ pub async fn start(cfg: ServeConfig) -> Result<Running, ServeError> {
         servers,
         background,
         tokens,
+        read_again,
         connections,
     })
 }
@@ -639,6 +644,20 @@ impl Running {
         let tokens = self.tokens.clone();
         let control = self.control.clone();
         move || reload_tokens(tokens.as_deref(), &control)
+    }
+
+    /// In file mode, asks the policy file's watcher to read the file now, as a change in
+    /// its directory would (a save that no watch saw, on a network mount, is then applied
+    /// without waiting for the next rescan): `false` in API mode, where there is no file to
+    /// read. The read and what comes of it are logged as any.
+    pub fn read_policy_file_again(&self) -> bool {
+        match &self.read_again {
+            Some(again) => {
+                again.now();
+                true
+            }
+            None => false,
+        }
     }
 
     /// The `agent_addr` field, for callers that prefer a method.

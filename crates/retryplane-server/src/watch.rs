@@ -445,7 +445,21 @@ pub fn removes_everything(names: &str) -> String {
 /// Where a watcher started before start-up's own read of the policy file learns what start-up
 /// did with it ([`FileAtStart`]).
 #[derive(Debug)]
-pub struct StartRead(oneshot::Sender<FileAtStart>);
+pub struct StartRead(oneshot::Sender<FileAtStart>, mpsc::Sender<()>);
+
+/// Asks a running watcher to read the policy file now, as a change in its directory would
+/// (`serve`'s SIGHUP): the read waits for the file to be quiet, and bytes read before change
+/// nothing.
+#[derive(Clone, Debug)]
+pub struct ReadAgain(mpsc::Sender<()>);
+
+impl ReadAgain {
+    /// Asks for a read; one already asked for and not yet begun stands for this one too.
+    pub fn now(&self) {
+        // Full: a read is already asked for. Closed: the watcher has stopped.
+        let _ = self.0.try_send(());
+    }
+}
 
 /// What start-up did with the policy file, for the watcher. (Start-up that neither settled the
 /// file nor left it to its writer, such as a read that failed, tells nothing: it drops the
@@ -463,6 +477,11 @@ pub enum FileAtStart {
 }
 
 impl StartRead {
+    /// A handle that asks the watcher to read the file again, for as long as it runs.
+    pub fn read_again(&self) -> ReadAgain {
+        ReadAgain(self.1.clone())
+    }
+
     /// Tells the watcher what start-up did with the file.
     pub fn tell(self, at_start: FileAtStart) {
         // The watcher may have stopped already: nothing to tell then.
@@ -503,6 +522,7 @@ pub fn spawn_before_start(
         .unwrap_or(dir);
     let own_dir_exists = own_dir.is_dir();
     let (tx, rx) = mpsc::channel(1);
+    let again = tx.clone();
     let open_writes = OpenWrites::default();
     let noted = open_writes.clone();
     let watcher = notify::recommended_watcher(move |event: notify::Result<Event>| {
@@ -559,7 +579,7 @@ pub fn spawn_before_start(
         watches,
         Some(start_rx),
     ));
-    Ok((task, StartRead(start_tx)))
+    Ok((task, StartRead(start_tx, again)))
 }
 
 /// Whether `event` is a pure read (ours included), which changes nothing.

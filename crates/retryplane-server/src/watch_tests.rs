@@ -1223,3 +1223,35 @@ async fn a_save_the_store_fails_to_take_is_logged_once_and_tried_again_later_not
     wait_for_version(&control, 2, PUBLISHED).await;
     assert_eq!(log.text().matches(refused).count(), 1, "{}", log.text());
 }
+
+/// A read asked for (`serve`'s SIGHUP) reads the file now, with no event and no rescan due: a
+/// save no watch saw (here, one made before the watcher started, while start-up told it the
+/// bytes before) is applied.
+#[tokio::test]
+async fn a_read_asked_for_applies_a_save_no_watch_saw() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("policies.yaml");
+    fs::write(&file, V1).unwrap();
+    let store: Arc<dyn VersionStore> = Arc::new(MemoryStore::new());
+    let control = Arc::new(ControlPlane::for_tests(store, Mode::File(file.clone())));
+    reload(&control, &file).await;
+    assert_eq!(current_version(&control), Some(1));
+    fs::write(&file, V2).unwrap();
+    let (_stop, shutdown) = watch::channel(false);
+    let timing = Timing {
+        rescan: Duration::from_secs(3600),
+        ..TIMING
+    };
+    let (_task, read) =
+        spawn_before_start(control.clone(), file.clone(), timing, shutdown).unwrap();
+    read.read_again().now();
+    read.tell(FileAtStart::Settled(V1.as_bytes().to_vec()));
+    let deadline = tokio::time::Instant::now() + PUBLISHED;
+    while current_version(&control) != Some(2) {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the save was not applied after a read was asked for"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}

@@ -22,6 +22,17 @@ pub async fn serve(
     extra: &[&str],
     stderr: Stdio,
 ) -> (Child, Vec<(String, String)>) {
+    serve_logging(dir, policy, extra, stderr, "warn").await
+}
+
+/// [`serve`], its log filtered by `filter` (`RUST_LOG`).
+pub async fn serve_logging(
+    dir: &Path,
+    policy: &str,
+    extra: &[&str],
+    stderr: Stdio,
+    filter: &str,
+) -> (Child, Vec<(String, String)>) {
     std::fs::write(dir.join("policies.yaml"), policy).unwrap();
     let mut child = Command::new(env!("CARGO_BIN_EXE_retryplane"))
         .current_dir(dir)
@@ -29,7 +40,7 @@ pub async fn serve(
         .args(["--listen", "127.0.0.1:0", "--admin-listen", "127.0.0.1:0"])
         .args(["--http-listen", "127.0.0.1:0"])
         .args(extra)
-        .env("RUST_LOG", "warn")
+        .env("RUST_LOG", filter)
         .stdout(Stdio::piped())
         .stderr(stderr)
         .kill_on_drop(true)
