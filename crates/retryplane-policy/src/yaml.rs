@@ -249,10 +249,18 @@ pub(crate) fn parse_noting(
                         .to_owned(),
                 };
             }
+            if let Some(tab) = tab_indenting(text, loc) {
+                return YamlError {
+                    loc: tab,
+                    message: "invalid YAML: a tab indents this line (YAML indents with spaces)"
+                        .to_owned(),
+                };
+            }
             let mut message = limit_message(&e).unwrap_or_else(|| first_line(&e.to_string()));
             if message.ends_with(NOT_ALLOWED_HERE) && key_too_long_before(text, loc) {
                 message.push_str(LONG_KEY);
             }
+            message.push_str(&syntax_hint(text, &message, loc));
             YamlError { loc, message }
         })?;
     let root = node(spanned);
@@ -376,6 +384,124 @@ fn indenting_tab_after(text: &str, from: Loc) -> Option<Loc> {
                 column: u32::try_from(column + 1).unwrap_or(u32::MAX),
             })
         })
+}
+
+/// Where a tab is in the indentation of `at`'s own line, at or left of `at`: the scanner's
+/// "tabs disallowed within this context" there means that a tab indents the line.
+fn tab_indenting(text: &str, at: Loc) -> Option<Loc> {
+    let line = text
+        .lines()
+        .nth(usize::try_from(at.line).ok()?.checked_sub(1)?)?;
+    let indent = &line[..line.len() - line.trim_start_matches([' ', '\t']).len()];
+    let column = indent.find('\t')?;
+    (u32::try_from(column).ok()? < at.column).then(|| Loc {
+        line: at.line,
+        column: u32::try_from(column + 1).unwrap_or(u32::MAX),
+    })
+}
+
+/// What the parser's words for a syntax error at `at` leave out, as a parenthesis to append
+/// to `message` (empty when there is nothing to add): for a flow mapping or sequence not
+/// ended, where its bracket opened (the parser reports the line after it); for a block
+/// mapping's missing key, that the line is indented as no line above it is.
+///
+/// Written here rather than taken from the parser: its errors carry one place only, the
+/// point where it gave up.
+fn syntax_hint(text: &str, message: &str, at: Loc) -> String {
+    if message.contains("while parsing a flow") {
+        if let Some((bracket, opened)) = open_bracket_before(text, at)
+            && opened != at
+        {
+            return format!(
+                " (the `{bracket}` at {}:{} is not closed)",
+                opened.line, opened.column
+            );
+        }
+    } else if message.contains("while parsing a block mapping, did not find expected key") {
+        let Some(index) = usize::try_from(at.line).ok().and_then(|l| l.checked_sub(1)) else {
+            return String::new();
+        };
+        let indent = |line: &str| line.len() - line.trim_start_matches(' ').len();
+        let meaningful = |line: &&str| {
+            let rest = line.trim_start_matches(' ');
+            !rest.is_empty() && !rest.starts_with('#')
+        };
+        let Some(line) = text.lines().nth(index) else {
+            return String::new();
+        };
+        let own = indent(line);
+        let mut above: Vec<usize> = text
+            .lines()
+            .take(index)
+            .filter(meaningful)
+            .map(indent)
+            .collect();
+        above.sort_unstable();
+        above.dedup();
+        if !above.is_empty() && !above.contains(&own) {
+            let listed: Vec<String> = above.iter().map(usize::to_string).collect();
+            return format!(
+                " (this line is indented {own} spaces, as no line above it is: {})",
+                listed.join(", ")
+            );
+        }
+    }
+    String::new()
+}
+
+/// The innermost flow bracket (`{` or `[`) opened before `at` and not closed by then (or the
+/// one a bracket of the other kind closed first), and where: a scan of the text that skips
+/// quoted scalars and comments.
+fn open_bracket_before(text: &str, at: Loc) -> Option<(char, Loc)> {
+    let mut open: Vec<(char, Loc)> = Vec::new();
+    for (index, line) in text.lines().enumerate() {
+        let number = u32::try_from(index + 1).ok()?;
+        if number > at.line {
+            break;
+        }
+        let mut quote: Option<char> = None;
+        let mut previous = ' ';
+        let mut chars = line.chars().enumerate().peekable();
+        while let Some((column, c)) = chars.next() {
+            let place = Loc {
+                line: number,
+                column: u32::try_from(column + 1).ok()?,
+            };
+            if number == at.line && place.column >= at.column {
+                break;
+            }
+            match (quote, c) {
+                (Some('"'), '\\') => {
+                    chars.next();
+                }
+                (Some(q), c) if c == q => {
+                    // `''` inside single quotes is one quote, not the end.
+                    if q == '\'' && chars.peek().is_some_and(|&(_, n)| n == '\'') {
+                        chars.next();
+                    } else {
+                        quote = None;
+                    }
+                }
+                (Some(_), _) => {}
+                (None, '"' | '\'') if previous == ' ' || "{[,:".contains(previous) => {
+                    quote = Some(c);
+                }
+                (None, '#') if previous == ' ' || previous == '\t' => break,
+                (None, '{' | '[') => open.push((c, place)),
+                (None, '}' | ']') => {
+                    // Closed by the other kind: the parser stops there, on the one left open.
+                    let pairs = |(b, _): &(char, Loc)| (*b == '{') == (c == '}');
+                    if open.last().is_some_and(|top| !pairs(top)) {
+                        return open.pop();
+                    }
+                    open.pop();
+                }
+                _ => {}
+            }
+            previous = c;
+        }
+    }
+    open.pop()
 }
 
 fn clamp(v: u64) -> u32 {
@@ -806,6 +932,81 @@ mod tests {
             (err.loc, err.message.as_str()),
             (Loc { line: 4, column: 1 }, TAB)
         );
+    }
+
+    /// A tab that indents the line the scanner stops on (not one after a key's value) is said
+    /// so, at the tab.
+    #[test]
+    fn a_tab_that_indents_the_line_the_scanner_stops_on_is_said_so() {
+        let err = parse(b"version: 1\nendpoints:\n\tpayments: {}\n").unwrap_err();
+        assert_eq!(
+            (err.loc, err.message.as_str()),
+            (
+                Loc { line: 3, column: 1 },
+                "invalid YAML: a tab indents this line (YAML indents with spaces)"
+            )
+        );
+    }
+
+    /// A flow mapping or list not closed is reported where the parser gave up (a line after
+    /// it), and the message says where its bracket opened, past quoted brackets and comments.
+    #[test]
+    fn an_unclosed_flow_bracket_is_named_where_it_opened() {
+        for (src, hint) in [
+            (
+                "version: 1\nendpoints:\n  payments: {max_attempts: 3\n  other: {}\n",
+                " (the `{` at 3:13 is not closed)",
+            ),
+            (
+                "version: 1\nendpoints: # {not this}\n  payments: {description: \"a { b\", \
+                 max_attempts: 3 # }\n  other: {}\n",
+                " (the `{` at 3:13 is not closed)",
+            ),
+        ] {
+            let err = parse(src.as_bytes()).unwrap_err();
+            assert!(
+                err.message
+                    .starts_with("invalid YAML: while parsing a flow")
+                    && err.message.ends_with(hint),
+                "{src:?}: {err}"
+            );
+        }
+        // A bracket closed by the other kind is reported at the bracket itself: nothing added.
+        let src = "version: 1\nendpoints:\n  p: {retry_on: {http_status: [502, 503}, x: 1}\n";
+        let err = parse(src.as_bytes()).unwrap_err();
+        assert_eq!(
+            (err.loc, err.message.as_str()),
+            (
+                Loc {
+                    line: 3,
+                    column: 31
+                },
+                "invalid YAML: mismatched bracket '[' closed by '}'"
+            )
+        );
+        // A list closed by `}`: the bracket named is the list's, where the other kind closed it.
+        assert_eq!(
+            open_bracket_before("a: {b: [1}\n", Loc { line: 2, column: 1 }),
+            Some(('[', Loc { line: 1, column: 8 }))
+        );
+    }
+
+    /// A block mapping's missing key, on a line indented as no line above it, says so.
+    #[test]
+    fn a_line_indented_as_no_line_above_it_is_said_so() {
+        let src = "version: 1\nendpoints:\n  payments:\n    max_attempts: 3\n\n   # note\n   deadline: 1s\n";
+        let err = parse(src.as_bytes()).unwrap_err();
+        assert_eq!(err.loc.line, 7, "{err}");
+        assert!(
+            err.message.ends_with(
+                "did not find expected key (this line is indented 3 spaces, as no line above it \
+                 is: 0, 2, 4)"
+            ),
+            "{err}"
+        );
+        // Indented as a line above: nothing added.
+        let err = parse(b"version: 1\nendpoints:\n  a: {}\n  - b\n").unwrap_err();
+        assert!(!err.message.contains("as no line above"), "{err}");
     }
 
     const TOO_DEEP: &str =
