@@ -149,7 +149,7 @@ pub enum TokensError {
     Invalid {
         /// The tokens file.
         file: PathBuf,
-        /// One line per problem, such as ``tokens[2] (`ci`): secret is shorter than 16 bytes``.
+        /// One line per problem, such as ``line 9: tokens[2] (`ci`): secret is shorter than 16 bytes`` (the line where the entry starts).
         problems: Vec<String>,
     },
     /// A read that began later was put in force first (this one was slow: a file on a network
@@ -167,7 +167,8 @@ pub enum TokensError {
 #[derive(serde::Deserialize)]
 #[serde(deny_unknown_fields)]
 struct RawFile {
-    tokens: Vec<RawToken>,
+    /// Each with where it is written, so that a problem names its line.
+    tokens: Vec<serde_saphyr::Spanned<RawToken>>,
 }
 
 #[derive(serde::Deserialize)]
@@ -608,19 +609,24 @@ impl Tokens {
         let mut names: HashMap<&str, usize> = HashMap::new();
         let mut digests: HashMap<[u8; 32], usize> = HashMap::new();
         let mut tokens = Vec::with_capacity(raw.tokens.len());
-        for (i, t) in raw.tokens.iter().enumerate() {
+        for (i, spanned) in raw.tokens.iter().enumerate() {
+            let t = &spanned.value;
+            let line = match spanned.referenced.line() {
+                0 => String::new(),
+                n => format!("line {n}: "),
+            };
             // A name that could be a secret (a name and a secret swapped) is not quoted: the
             // message reaches a terminal and the log.
             let at = if could_be_a_secret(&t.name) {
                 format!(
-                    "tokens[{i}] (name not shown: {MIN_SECRET_LEN} bytes or more, it could be a \
-                     secret)"
+                    "{line}tokens[{i}] (name not shown: {MIN_SECRET_LEN} bytes or more, it could \
+                     be a secret)"
                 )
             } else {
-                format!("tokens[{i}] (`{}`)", t.name.escape_debug())
+                format!("{line}tokens[{i}] (`{}`)", t.name.escape_debug())
             };
             if t.name.trim().is_empty() {
-                problems.push(format!("tokens[{i}]: name is empty"));
+                problems.push(format!("{line}tokens[{i}]: name is empty"));
             } else if let Some(first) = names.insert(&t.name, i) {
                 problems.push(format!("{at}: name is already used by tokens[{first}]"));
             }

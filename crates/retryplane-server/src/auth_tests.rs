@@ -227,6 +227,21 @@ fn a_duplicate_key_is_named_in_the_file_s_own_words() {
     assert!(!err.contains("DuplicateKeyPolicy"), "{err}");
 }
 
+/// Each problem of an entry names the entry's line, as well as its place in the list.
+#[test]
+fn a_problem_names_the_line_of_its_token() {
+    let err = invalid(
+        "tokens:\n  - {name: a, role: admin, secret: aaaaaaaaaaaaaaaaaaaa}\n\n  - name: b\n    \
+         role: admn\n    secret: short\n",
+    );
+    assert!(
+        err.contains("line 4: tokens[1] (`b`): unknown role `admn`")
+            && err.contains("line 4: tokens[1] (`b`): secret is shorter than 16 bytes")
+            && !err.contains("tokens[0]"),
+        "{err}"
+    );
+}
+
 #[test]
 fn unknown_role_is_refused() {
     let err = invalid("tokens: [{name: a, role: root, secret: aaaaaaaaaaaaaaaaaaaa}]");
