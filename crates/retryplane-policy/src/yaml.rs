@@ -249,14 +249,14 @@ pub(crate) fn parse_noting(
                         .to_owned(),
                 };
             }
-            if let Some(tab) = tab_indenting(text, loc) {
+            let mut message = limit_message(&e).unwrap_or_else(|| first_line(&e.to_string()));
+            if let Some(tab) = tab_indenting(text, &message, loc) {
                 return YamlError {
                     loc: tab,
                     message: "invalid YAML: a tab indents this line (YAML indents with spaces)"
                         .to_owned(),
                 };
             }
-            let mut message = limit_message(&e).unwrap_or_else(|| first_line(&e.to_string()));
             if message.ends_with(NOT_ALLOWED_HERE) && key_too_long_before(text, loc) {
                 message.push_str(LONG_KEY);
             }
@@ -386,12 +386,44 @@ fn indenting_tab_after(text: &str, from: Loc) -> Option<Loc> {
         })
 }
 
-/// Where a tab is in the indentation of `at`'s own line, at or left of `at`: the scanner's
-/// "tabs disallowed within this context" there means that a tab indents the line.
-fn tab_indenting(text: &str, at: Loc) -> Option<Loc> {
-    let line = text
-        .lines()
-        .nth(usize::try_from(at.line).ok()?.checked_sub(1)?)?;
+/// The lines of `text` as YAML breaks them: at `\r\n`, `\n` or a `\r` alone (which
+/// `str::lines` does not break at).
+fn yaml_lines(text: &str) -> Vec<&str> {
+    let bytes = text.as_bytes();
+    let mut lines = Vec::new();
+    let (mut start, mut i) = (0, 0);
+    while i < bytes.len() {
+        match bytes[i] {
+            b'\n' => {
+                lines.push(&text[start..i]);
+                start = i + 1;
+            }
+            b'\r' => {
+                lines.push(&text[start..i]);
+                if bytes.get(i + 1) == Some(&b'\n') {
+                    i += 1;
+                }
+                start = i + 1;
+            }
+            _ => {}
+        }
+        i += 1;
+    }
+    if start < text.len() {
+        lines.push(&text[start..]);
+    }
+    lines
+}
+
+/// Where a tab is in the indentation of `at`'s own line, at or left of `at`: what the
+/// scanner's "tabs disallowed within this context" (`message`) means there. `None` for any
+/// other error (a tab may begin a quoted scalar's next line, for one).
+fn tab_indenting(text: &str, message: &str, at: Loc) -> Option<Loc> {
+    if !message.contains("tabs disallowed") {
+        return None;
+    }
+    let lines = yaml_lines(text);
+    let line = lines.get(usize::try_from(at.line).ok()?.checked_sub(1)?)?;
     let indent = &line[..line.len() - line.trim_start_matches([' ', '\t']).len()];
     let column = indent.find('\t')?;
     (u32::try_from(column).ok()? < at.column).then(|| Loc {
@@ -401,78 +433,135 @@ fn tab_indenting(text: &str, at: Loc) -> Option<Loc> {
 }
 
 /// What the parser's words for a syntax error at `at` leave out, as a parenthesis to append
-/// to `message` (empty when there is nothing to add): for a flow mapping or sequence not
-/// ended, where its bracket opened (the parser reports the line after it); for a block
-/// mapping's missing key, that the line is indented as no line above it is.
+/// to `message` (empty when there is nothing to add): for a flow mapping or list the parser
+/// could not go on in, where its bracket opened and whether it is closed at all (the parser
+/// says the same of one never closed, reported a line later, and of one missing a comma);
+/// for a block mapping's missing key, that the line is indented as no line above it is.
 ///
 /// Written here rather than taken from the parser: its errors carry one place only, the
-/// point where it gave up.
+/// point where it gave up. [`scan_structure`] reads the text as far as these hints need.
 fn syntax_hint(text: &str, message: &str, at: Loc) -> String {
-    if message.contains("while parsing a flow") {
-        if let Some((bracket, opened)) = open_bracket_before(text, at)
-            && opened != at
-        {
-            return format!(
-                " (the `{bracket}` at {}:{} is not closed)",
-                opened.line, opened.column
-            );
-        }
-    } else if message.contains("while parsing a block mapping, did not find expected key") {
-        let Some(index) = usize::try_from(at.line).ok().and_then(|l| l.checked_sub(1)) else {
-            return String::new();
-        };
-        let indent = |line: &str| line.len() - line.trim_start_matches(' ').len();
-        let meaningful = |line: &&str| {
-            let rest = line.trim_start_matches(' ');
-            !rest.is_empty() && !rest.starts_with('#')
-        };
-        let Some(line) = text.lines().nth(index) else {
-            return String::new();
-        };
-        let own = indent(line);
-        let mut above: Vec<usize> = text
-            .lines()
-            .take(index)
-            .filter(meaningful)
-            .map(indent)
-            .collect();
-        above.sort_unstable();
-        above.dedup();
-        if !above.is_empty() && !above.contains(&own) {
-            let listed: Vec<String> = above.iter().map(usize::to_string).collect();
-            return format!(
-                " (this line is indented {own} spaces, as no line above it is: {})",
-                listed.join(", ")
-            );
-        }
+    let flow = message.contains("while parsing a flow");
+    let block = message.contains("while parsing a block mapping, did not find expected key");
+    if !flow && !block {
+        return String::new();
     }
-    String::new()
+    let lines = yaml_lines(text);
+    let scan = scan_structure(&lines);
+    if flow {
+        // The parser stopped on a bracket (one a plain scalar cannot hold): it says enough.
+        if scan.brackets.iter().any(|b| b.open == at) {
+            return String::new();
+        }
+        // The innermost bracket open at `at`: the last opened before it and not closed by it.
+        let Some(open) = scan
+            .brackets
+            .iter()
+            .rfind(|b| b.open < at && b.close.is_none_or(|c| c >= at))
+        else {
+            return String::new();
+        };
+        return match open.close {
+            None => format!(
+                " (the `{}` at {}:{} is not closed)",
+                open.kind, open.open.line, open.open.column
+            ),
+            Some(close) => format!(
+                " (the `{}` at {}:{} closes at {}:{}: is a `,` missing between two of its \
+                 entries?)",
+                open.kind, open.open.line, open.open.column, close.line, close.column
+            ),
+        };
+    }
+    let Some(index) = usize::try_from(at.line).ok().and_then(|l| l.checked_sub(1)) else {
+        return String::new();
+    };
+    let indent = |line: &str| line.len() - line.trim_start_matches(' ').len();
+    let Some(line) = lines.get(index) else {
+        return String::new();
+    };
+    let own = indent(line);
+    let mut above: Vec<usize> = lines
+        .iter()
+        .zip(&scan.structure)
+        .take(index)
+        .filter(|(line, structure)| {
+            let rest = line.trim_start_matches(' ');
+            **structure && !rest.is_empty() && !rest.starts_with('#')
+        })
+        .map(|(line, _)| indent(line))
+        .collect();
+    above.sort_unstable();
+    above.dedup();
+    if above.is_empty() || above.contains(&own) {
+        return String::new();
+    }
+    let listed: Vec<String> = above.iter().map(usize::to_string).collect();
+    format!(
+        " (this line is indented {own} spaces, as no line above it is: {})",
+        listed.join(", ")
+    )
 }
 
-/// The innermost flow bracket (`{` or `[`) opened before `at` and not closed by then (or the
-/// one a bracket of the other kind closed first), and where: a scan of the text that skips
-/// quoted scalars and comments.
-fn open_bracket_before(text: &str, at: Loc) -> Option<(char, Loc)> {
-    let mut open: Vec<(char, Loc)> = Vec::new();
-    for (index, line) in text.lines().enumerate() {
-        let number = u32::try_from(index + 1).ok()?;
-        if number > at.line {
-            break;
-        }
-        let mut quote: Option<char> = None;
-        let mut previous = ' ';
-        let mut chars = line.chars().enumerate().peekable();
-        while let Some((column, c)) = chars.next() {
-            let place = Loc {
-                line: number,
-                column: u32::try_from(column + 1).ok()?,
-            };
-            if number == at.line && place.column >= at.column {
-                break;
+/// A flow bracket found by [`scan_structure`]: `{` or `[`, where it opened, and where the
+/// bracket that closes it is (`None` when none does).
+#[derive(Debug, PartialEq)]
+struct Bracket {
+    kind: char,
+    open: Loc,
+    close: Option<Loc>,
+}
+
+/// What [`scan_structure`] found.
+#[derive(Debug)]
+struct Structure {
+    /// Every flow bracket, in the order they open.
+    brackets: Vec<Bracket>,
+    /// For each line, whether it begins as YAML structure: not inside a quoted scalar begun
+    /// on a line before, nor a block scalar's (`|`, `>`) content.
+    structure: Vec<bool>,
+}
+
+/// Reads `lines` as far as the syntax hints need: the flow brackets and which lines begin as
+/// structure. Quoted scalars (across lines too), comments and block scalars' content are
+/// skipped; outside a flow collection, a bracket or a quote counts only where a node begins
+/// (at a line's start, or after `: `, `- `, `? `, `,`, `[` or `{`), so that a plain scalar's
+/// text (`see [docs}`) is not taken for one. A reading for hints, not a parser: the parser
+/// has refused the file already.
+fn scan_structure(lines: &[&str]) -> Structure {
+    let mut brackets: Vec<Bracket> = Vec::new();
+    let mut structure = Vec::with_capacity(lines.len());
+    // Indexes into `brackets` of those open.
+    let mut open: Vec<usize> = Vec::new();
+    let mut quote: Option<char> = None;
+    // The indent of the line a block scalar's indicator ends, while its content goes on.
+    let mut block_of: Option<usize> = None;
+    let loc = |index: usize, column: usize| Loc {
+        line: u32::try_from(index + 1).unwrap_or(u32::MAX),
+        column: u32::try_from(column + 1).unwrap_or(u32::MAX),
+    };
+    for (index, line) in lines.iter().enumerate() {
+        let indent = line.len() - line.trim_start_matches(' ').len();
+        if let Some(of) = block_of {
+            if line.trim().is_empty() || indent > of {
+                structure.push(false);
+                continue;
             }
+            block_of = None;
+        }
+        structure.push(quote.is_none());
+        // The last character that is not white space on this line, outside quotes, and
+        // whether white space came after it.
+        let mut previous: Option<char> = None;
+        let mut spaced = true;
+        let mut chars = line.char_indices().peekable();
+        while let Some((column, c)) = chars.next() {
+            let node_start = matches!(previous, None | Some(',' | '[' | '{'))
+                || (spaced && matches!(previous, Some(':' | '-' | '?')));
             match (quote, c) {
                 (Some('"'), '\\') => {
                     chars.next();
+                    continue;
                 }
                 (Some(q), c) if c == q => {
                     // `''` inside single quotes is one quote, not the end.
@@ -480,28 +569,62 @@ fn open_bracket_before(text: &str, at: Loc) -> Option<(char, Loc)> {
                         chars.next();
                     } else {
                         quote = None;
+                        previous = Some(c);
+                        spaced = false;
                     }
+                    continue;
                 }
-                (Some(_), _) => {}
-                (None, '"' | '\'') if previous == ' ' || "{[,:".contains(previous) => {
-                    quote = Some(c);
+                (Some(_), _) => continue,
+                (None, ' ' | '\t') => {
+                    spaced = true;
+                    continue;
                 }
-                (None, '#') if previous == ' ' || previous == '\t' => break,
-                (None, '{' | '[') => open.push((c, place)),
+                (None, '#') if spaced => break,
+                (None, '"' | '\'') if node_start => quote = Some(c),
+                (None, '{' | '[') if node_start || !open.is_empty() => {
+                    open.push(brackets.len());
+                    brackets.push(Bracket {
+                        kind: c,
+                        open: loc(index, column),
+                        close: None,
+                    });
+                }
                 (None, '}' | ']') => {
-                    // Closed by the other kind: the parser stops there, on the one left open.
-                    let pairs = |(b, _): &(char, Loc)| (*b == '{') == (c == '}');
-                    if open.last().is_some_and(|top| !pairs(top)) {
-                        return open.pop();
+                    if let Some(at) = open.pop()
+                        && let Some(bracket) = brackets.get_mut(at)
+                    {
+                        bracket.close = Some(loc(index, column));
                     }
-                    open.pop();
                 }
                 _ => {}
             }
-            previous = c;
+            previous = Some(c);
+            spaced = false;
+        }
+        // A block scalar's indicator ends the line (`key: |`, `- >-`, `|2`): its content,
+        // the lines indented more than this one, is text.
+        if quote.is_none() && open.is_empty() {
+            let code = match line.find(" #") {
+                Some(at) => &line[..at],
+                None => line,
+            };
+            let code = code.trim_end();
+            let (before, last) = code.rsplit_once(' ').unwrap_or(("", code));
+            let before = before.trim_end();
+            if last.starts_with(['|', '>'])
+                && last[1..]
+                    .bytes()
+                    .all(|b| b == b'-' || b == b'+' || b.is_ascii_digit())
+                && (before.is_empty() || before.ends_with(':') || before.ends_with('-'))
+            {
+                block_of = Some(indent);
+            }
         }
     }
-    open.pop()
+    Structure {
+        brackets,
+        structure,
+    }
 }
 
 fn clamp(v: u64) -> u32 {
@@ -935,7 +1058,8 @@ mod tests {
     }
 
     /// A tab that indents the line the scanner stops on (not one after a key's value) is said
-    /// so, at the tab.
+    /// so, at the tab; another error on a line a tab begins keeps its own words (a quoted
+    /// scalar's next line may begin with a tab).
     #[test]
     fn a_tab_that_indents_the_line_the_scanner_stops_on_is_said_so() {
         let err = parse(b"version: 1\nendpoints:\n\tpayments: {}\n").unwrap_err();
@@ -944,6 +1068,15 @@ mod tests {
             (
                 Loc { line: 3, column: 1 },
                 "invalid YAML: a tab indents this line (YAML indents with spaces)"
+            )
+        );
+        let src = "version: 1\nendpoints:\n  p:\n    description: \"a\n\tb\" x\n";
+        let err = parse(src.as_bytes()).unwrap_err();
+        assert_eq!(
+            (err.loc, err.message.as_str()),
+            (
+                Loc { line: 5, column: 5 },
+                "invalid YAML: invalid trailing content after double-quoted scalar"
             )
         );
     }
@@ -984,11 +1117,44 @@ mod tests {
                 "invalid YAML: mismatched bracket '[' closed by '}'"
             )
         );
-        // A list closed by `}`: the bracket named is the list's, where the other kind closed it.
-        assert_eq!(
-            open_bracket_before("a: {b: [1}\n", Loc { line: 2, column: 1 }),
-            Some(('[', Loc { line: 1, column: 8 }))
-        );
+        // Brackets and quotes that are text, not structure: inside a quoted scalar over two
+        // lines, in a plain scalar, in a block scalar's content.
+        for (src, hint) in [
+            (
+                "version: 1\nendpoints:\n  p: {description: \"first line\n    and { here\", max_attempts: 3\n  q: {}\n",
+                " (the `{` at 3:6 is not closed)",
+            ),
+            (
+                "version: 1\nendpoints:\n  p:\n    description: see [docs}\n  q: {max_attempts: 3\n  r: {}\n",
+                " (the `{` at 5:6 is not closed)",
+            ),
+            (
+                "version: 1\nendpoints:\n  p:\n    description: |\n      a [b}\n  q: {max_attempts: 3\n  r: {}\n",
+                " (the `{` at 6:6 is not closed)",
+            ),
+            // Line breaks of a `\r` alone, as YAML reads them.
+            (
+                "version: 1\rendpoints:\r  p: {max_attempts: 3\r  q: {}\r",
+                " (the `{` at 3:6 is not closed)",
+            ),
+        ] {
+            let err = parse(src.as_bytes()).unwrap_err();
+            assert!(err.message.ends_with(hint), "{src:?}: {err}");
+        }
+        // A closed bracket missing a comma between two entries, on one line or over several.
+        for (src, hint) in [
+            (
+                "version: 1\nendpoints:\n  p: {max_attempts: 3 deadline: 1s}\n",
+                " (the `{` at 3:6 closes at 3:35: is a `,` missing between two of its entries?)",
+            ),
+            (
+                "version: 1\nendpoints:\n  p: {max_attempts: 3,\n    deadline: 1s\n    per_try_timeout: 1s,\n  }\n",
+                " (the `{` at 3:6 closes at 6:3: is a `,` missing between two of its entries?)",
+            ),
+        ] {
+            let err = parse(src.as_bytes()).unwrap_err();
+            assert!(err.message.ends_with(hint), "{src:?}: {err}");
+        }
     }
 
     /// A block mapping's missing key, on a line indented as no line above it, says so.
@@ -1004,6 +1170,10 @@ mod tests {
             ),
             "{err}"
         );
+        // A block scalar's content is text: its indent is not listed.
+        let src = "version: 1\nendpoints:\n  p:\n    description: |\n       seven\n    max_attempts: 3\n   deadline: 1s\n";
+        let err = parse(src.as_bytes()).unwrap_err();
+        assert!(err.message.ends_with("is: 0, 2, 4)"), "{err}");
         // Indented as a line above: nothing added.
         let err = parse(b"version: 1\nendpoints:\n  a: {}\n  - b\n").unwrap_err();
         assert!(!err.message.contains("as no line above"), "{err}");
