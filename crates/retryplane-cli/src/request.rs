@@ -732,7 +732,11 @@ async fn call(agent: &Agent, s: &Settings) -> anyhow::Result<Summary> {
             result
         }
     };
+    // The notes below read the policy after the call: none when another version came in
+    // during it (with --server), as it may not be the one the call ran under.
+    let version = agent.policies().version();
     let result = agent.endpoint(&s.endpoint).call(meta, attempt).await;
+    let same_policy = agent.policies().version() == version;
     on_interrupt.abort();
     let elapsed = started.elapsed();
     let mut attempts = records.take();
@@ -779,6 +783,7 @@ async fn call(agent: &Agent, s: &Settings) -> anyhow::Result<Summary> {
                         .map(Outcome::Transport),
                 };
                 if let Some(last) = last
+                    && same_policy
                     && let Some(why) =
                         why_it_gave_up(&policy_of(agent, s), s, cause, &last, elapsed)
                 {
@@ -796,8 +801,8 @@ async fn call(agent: &Agent, s: &Settings) -> anyhow::Result<Summary> {
     })
 }
 
-/// The policy the call ran under, as far as it can be known after it: the one in force now
-/// for the request's endpoint and path (a push during the call may have changed it).
+/// The policy in force now for the request's endpoint and path: the one the call ran under
+/// when no other version came in during it (the caller checks).
 fn policy_of(agent: &Agent, s: &Settings) -> Arc<RetryPolicy> {
     let snapshot = agent.policies();
     let target = Target::Http {
@@ -837,13 +842,16 @@ fn why_it_gave_up(
     });
     match cause {
         GiveUpCause::NotRetryable => {
-            if matches!(
-                last,
-                Outcome::Grpc {
-                    pushback: Some(Pushback::DoNotRetry),
-                    ..
-                }
-            ) {
+            // Heard only when hints are honoured, as the engine hears it.
+            if policy.retry_after.honor
+                && matches!(
+                    last,
+                    Outcome::Grpc {
+                        pushback: Some(Pushback::DoNotRetry),
+                        ..
+                    }
+                )
+            {
                 return Some(format!(
                     "the answer ({what}) said not to retry it (grpc-retry-pushback-ms)"
                 ));
@@ -860,6 +868,13 @@ fn why_it_gave_up(
                 .any(|v| !v.as_bytes().trim_ascii().is_empty());
             if policy.is_idempotent(method) || has_key {
                 return None;
+            }
+            // The key would not help: no retry is made whatever the method.
+            if policy.max_attempts <= 1 {
+                return Some(format!(
+                    "the policy's max_attempts is {}: no retry is made",
+                    policy.max_attempts
+                ));
             }
             // A timeout or a reset leaves the outcome unknown: such a retry needs the key even
             // where a failed answer's would.
@@ -891,7 +906,13 @@ fn why_it_gave_up(
             })
         }
         GiveUpCause::DeadlineExceeded => {
+            // In whole milliseconds, as the attempts' pauses are shown; under one, the
+            // deadline was as good as reached.
             let left = policy.deadline.checked_sub(elapsed)?;
+            let left = Duration::from_millis(u64::try_from(left.as_millis()).unwrap_or(u64::MAX));
+            if left.is_zero() {
+                return None;
+            }
             // Given up on before it passed: the next pause would have ended past it.
             let asked = match hint {
                 Some((hint, header)) if policy.retry_after.honor && hint >= left => {

@@ -1611,6 +1611,24 @@ fn a_failure_not_retried_says_why() {
         "retryplane: the answer (gRPC UNAVAILABLE) said not to retry it \
          (grpc-retry-pushback-ms)\n"
     );
+    // Hints not honoured: the engine did not hear it, and the note gives the reason it had.
+    let up = Upstream::start(&[(
+        200,
+        "content-type: application/grpc\r\ngrpc-status: 5\r\ngrpc-retry-pushback-ms: -1\r\n",
+    )]);
+    let deaf = POLICY.replace("honor: true", "honor: false");
+    assert_eq!(
+        failed_stderr(&deaf, &[&up.url("/pkg.Svc/M")]),
+        "retryplane: the policy's retry_on does not list gRPC NOT_FOUND\n"
+    );
+
+    // One attempt only: the key would not help, and the note does not send one for it.
+    let up = Upstream::start(&[(503, "")]);
+    let once = POLICY.replace("max_attempts: 3", "max_attempts: 1");
+    assert_eq!(
+        failed_stderr(&once, &["--data", "x", &up.url("/v1/charges")]),
+        "retryplane: the policy's max_attempts is 1: no retry is made\n"
+    );
 }
 
 /// A call given up on before its deadline passed (the next pause would have ended past it)
@@ -1620,6 +1638,14 @@ fn a_pause_past_the_deadline_is_said_with_what_was_left() {
     let up = Upstream::start(&[(503, "retry-after: 1\r\n")]);
     let policy = format!("{POLICY}    deadline: 1s\n    per_try_timeout: 500ms\n");
     let stderr = failed_stderr(&policy, &[&up.url("/")]);
+    let left = stderr
+        .strip_prefix("retryplane: the call gave up with ")
+        .and_then(|rest| rest.split(' ').next())
+        .unwrap_or_default();
+    assert!(
+        left.ends_with("ms") && left[..left.len() - 2].bytes().all(|b| b.is_ascii_digit()),
+        "whole milliseconds: {stderr}"
+    );
     assert!(
         stderr.starts_with("retryplane: the call gave up with ")
             && stderr.ends_with(

@@ -15,13 +15,6 @@
 
 use std::fmt::Write as _;
 
-/// What the give-up column's short names stand for, as `stats --help` and `top --help` say it.
-pub const GIVE_UPS_HELP: &str = "GIVE-UPS lists the calls that ended without success in the \
-window, by cause: att attempts exhausted, bud retry budget exhausted, dl deadline (reached, or \
-a pause that would have passed it), ra a Retry-After hint over retry_after.max, nr not \
-retryable, open refused by an open circuit breaker (or stopped by one before a retry), cancel \
-cancelled or dropped by their caller; - when none.";
-
 use retryplane_proto::pb;
 use retryplane_proto::rank::{Rank, worst_first};
 use retryplane_server::aggregate::window::WINDOWS;
@@ -29,6 +22,13 @@ pub use retryplane_server::aggregate::window::Window;
 use serde_json::{Value, json};
 
 use super::time::rfc3339_utc;
+
+/// What the give-up column's short names stand for, as `stats --help` and `top --help` say it.
+pub const GIVE_UPS_HELP: &str = "GIVE-UPS lists the calls that ended without success in the \
+window, by cause: att attempts exhausted, bud retry budget exhausted, dl deadline (reached, or \
+a pause that would have passed it), ra a Retry-After hint over retry_after.max, nr not \
+retryable, open refused by an open circuit breaker (or stopped by one before a retry), cancel \
+cancelled or dropped by their caller; - when none.";
 
 /// `--window`: the trailing window that rates and ratios are taken over, one of the control
 /// plane's [`Window`]s by its label (`1m`, `5m`, `15m`).

@@ -134,7 +134,8 @@ impl TryFrom<Args> for Settings {
                 // The route parser's words offer `/pkg.Service/*`, which a route may be and a
                 // call may not.
                 Err(_) => bail!(
-                    "--grpc: `{grpc}` is not a gRPC method's path: write `/pkg.Service/Method`"
+                    "--grpc: `{}` is not a gRPC method's path: write `/pkg.Service/Method`",
+                    grpc.escape_debug()
                 ),
             },
             (None, None, None) => Call::Endpoint,
