@@ -554,7 +554,8 @@ fn scan_structure(lines: &[&str]) -> Structure {
         // whether white space came after it.
         let mut previous: Option<char> = None;
         let mut spaced = true;
-        let mut chars = line.char_indices().peekable();
+        // Columns in characters, as the parser counts them.
+        let mut chars = line.chars().enumerate().peekable();
         while let Some((column, c)) = chars.next() {
             let node_start = matches!(previous, None | Some(',' | '[' | '{'))
                 || (spaced && matches!(previous, Some(':' | '-' | '?')));
@@ -1150,6 +1151,11 @@ mod tests {
             (
                 "version: 1\nendpoints:\n  p: {max_attempts: 3,\n    deadline: 1s\n    per_try_timeout: 1s,\n  }\n",
                 " (the `{` at 3:6 closes at 6:3: is a `,` missing between two of its entries?)",
+            ),
+            // Columns in characters, as the parser's: `ééé` is three, not six bytes.
+            (
+                "version: 1\nendpoints:\n  p: {description: ééé, x: {a: 1 b: 2}}\n",
+                " (the `{` at 3:28 closes at 3:38: is a `,` missing between two of its entries?)",
             ),
         ] {
             let err = parse(src.as_bytes()).unwrap_err();
