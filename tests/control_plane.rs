@@ -1356,22 +1356,6 @@ async fn a_request_holding_fields_this_control_plane_does_not_know_is_refused() 
     assert_eq!(taken.version, 2);
 }
 
-/// The fleet's entry for `agent_id`, asked with the admin token `secret`.
-async fn status_with(plane: &Plane, secret: &str, agent_id: &str) -> Option<pb::AgentStatus> {
-    let mut request = tonic::Request::new(pb::FleetStatusRequest::default());
-    request
-        .metadata_mut()
-        .insert("authorization", format!("Bearer {secret}").parse().unwrap());
-    let fleet = plane
-        .admin()
-        .await
-        .fleet_status(request)
-        .await
-        .unwrap()
-        .into_inner();
-    fleet.agents.into_iter().find(|a| a.agent_id == agent_id)
-}
-
 /// An agent given its token as a file, when the operator rotates the secret: the control
 /// plane's tokens file gets the new secret under a new name and drops the old one, and is
 /// reloaded; the agent's stream ends (UNAUTHENTICATED) and, once its token file holds the new
@@ -1393,23 +1377,8 @@ async fn an_agent_whose_token_file_is_rotated_connects_with_the_new_secret() {
     let token_file = dir.path().join("agent-token");
     std::fs::write(&token_file, "old-agent-secret-0123\n").unwrap();
     let plane = Plane::start_in(dir, false, Some(tokens.clone())).await;
-    let agent = retryplane_agent::Agent::builder()
-        .url(format!("http://{}", plane.running.agent_addr))
-        .service("checkout")
-        .agent_id("rotated-1")
-        .token_file(&token_file)
-        .reconnect_backoff(retryplane_agent::ReconnectBackoff::new(
-            Duration::from_millis(10),
-            Duration::from_millis(100),
-            Duration::from_secs(10),
-        ))
-        .rng_seed(1)
-        .connect()
-        .unwrap();
-    eventually("the agent runs version 1", || async {
-        agent.policies().version() == 1 && agent.is_connected()
-    })
-    .await;
+    let agent =
+        token_file_agent(&plane, "rotated-1", &token_file, Duration::from_secs(10), 1).await;
     let before = status_with(&plane, ADMIN, "rotated-1").await.unwrap();
     assert_eq!(before.token, "fleet-2025");
 

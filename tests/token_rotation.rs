@@ -8,23 +8,6 @@
 use std::time::Duration;
 
 use retryplane_e2e::*;
-use retryplane_proto::pb;
-
-/// The fleet's entry for `agent_id`, asked with the admin token `secret`.
-async fn status_with(plane: &Plane, secret: &str, agent_id: &str) -> Option<pb::AgentStatus> {
-    let mut request = tonic::Request::new(pb::FleetStatusRequest::default());
-    request
-        .metadata_mut()
-        .insert("authorization", format!("Bearer {secret}").parse().unwrap());
-    let fleet = plane
-        .admin()
-        .await
-        .fleet_status(request)
-        .await
-        .unwrap()
-        .into_inner();
-    fleet.agents.into_iter().find(|a| a.agent_id == agent_id)
-}
 
 /// This thread's `retryplane_agent` log lines at info and above (the test's runtime is a
 /// current-thread one, so the agent's stream task logs on this thread).
@@ -86,22 +69,13 @@ async fn a_rotation_in_order_moves_the_agent_without_a_warning() {
     let token_file = dir.path().join("agent-token");
     std::fs::write(&token_file, "old-agent-secret-0123\n").unwrap();
     let plane = Plane::start_in(dir, false, Some(tokens.clone())).await;
-    let agent = retryplane_agent::Agent::builder()
-        .url(format!("http://{}", plane.running.agent_addr))
-        .service("checkout")
-        .agent_id("rotated-2")
-        .token_file(&token_file)
-        .reconnect_backoff(retryplane_agent::ReconnectBackoff::new(
-            Duration::from_millis(10),
-            Duration::from_millis(100),
-            Duration::from_millis(10),
-        ))
-        .rng_seed(2)
-        .connect()
-        .unwrap();
-    eventually("the agent runs version 1", || async {
-        agent.policies().version() == 1 && agent.is_connected()
-    })
+    let agent = token_file_agent(
+        &plane,
+        "rotated-2",
+        &token_file,
+        Duration::from_millis(10),
+        2,
+    )
     .await;
 
     // The new secret beside the old one; the file rewritten whole (a rename).

@@ -572,3 +572,49 @@ pub async fn endpoint_stats(plane: &Plane, endpoint: &str) -> Option<pb::Endpoin
         .into_inner();
     stats.endpoints.into_iter().find(|e| e.endpoint == endpoint)
 }
+
+/// The fleet's entry for `agent_id`, asked with the admin token `secret`.
+pub async fn status_with(plane: &Plane, secret: &str, agent_id: &str) -> Option<pb::AgentStatus> {
+    let mut request = tonic::Request::new(pb::FleetStatusRequest::default());
+    request
+        .metadata_mut()
+        .insert("authorization", format!("Bearer {secret}").parse().unwrap());
+    let fleet = plane
+        .admin()
+        .await
+        .fleet_status(request)
+        .await
+        .unwrap()
+        .into_inner();
+    fleet.agents.into_iter().find(|a| a.agent_id == agent_id)
+}
+
+/// An agent of the service `checkout` connected to `plane` as `agent_id` with its token read
+/// from `token_file`, reconnecting after 10 to 100 ms (a stream up `stable_after` is stable),
+/// once it runs version 1.
+pub async fn token_file_agent(
+    plane: &Plane,
+    agent_id: &str,
+    token_file: &Path,
+    stable_after: Duration,
+    seed: u64,
+) -> retryplane_agent::Agent {
+    let agent = retryplane_agent::Agent::builder()
+        .url(format!("http://{}", plane.running.agent_addr))
+        .service("checkout")
+        .agent_id(agent_id)
+        .token_file(token_file)
+        .reconnect_backoff(retryplane_agent::ReconnectBackoff::new(
+            Duration::from_millis(10),
+            Duration::from_millis(100),
+            stable_after,
+        ))
+        .rng_seed(seed)
+        .connect()
+        .unwrap();
+    eventually("the agent runs version 1", || async {
+        agent.policies().version() == 1 && agent.is_connected()
+    })
+    .await;
+    agent
+}
