@@ -339,7 +339,10 @@ const LONG_KEY: &str = " (the key before this `:` is longer than the 1,024 chara
 /// Whether what stands before the `:` at `loc` on its line (the key, with its indent, a `- `
 /// or `{` before it) is more than 1,024 characters long.
 fn key_too_long_before(text: &str, loc: Loc) -> bool {
-    let Some(line) = text.lines().nth(loc.line.saturating_sub(1) as usize) else {
+    let Some(line) = yaml_lines(text)
+        .get(loc.line.saturating_sub(1) as usize)
+        .copied()
+    else {
         return false;
     };
     let before = line.chars().take(loc.column.saturating_sub(1) as usize);
@@ -372,8 +375,10 @@ fn indenting_tab_after(text: &str, from: Loc) -> Option<Loc> {
         &line[..line.len() - line.trim_start_matches([' ', '\t']).len()]
     }
     let first = usize::try_from(from.line).ok()?;
-    let key_indent = indent(text.lines().nth(first.checked_sub(1)?)?).len();
-    text.lines()
+    let lines = yaml_lines(text);
+    let key_indent = indent(lines.get(first.checked_sub(1)?)?).len();
+    lines
+        .iter()
         .enumerate()
         .skip(first)
         .find_map(|(index, line)| {
@@ -551,14 +556,32 @@ fn scan_structure(lines: &[&str]) -> Structure {
         }
         structure.push(quote.is_none());
         // The last character that is not white space on this line, outside quotes, and
-        // whether white space came after it.
+        // whether white space came after it; and whether only a line's lead (its indent and
+        // `- ` entries) has come so far.
         let mut previous: Option<char> = None;
         let mut spaced = true;
+        let mut lead = true;
         // Columns in characters, as the parser counts them.
         let mut chars = line.chars().enumerate().peekable();
         while let Some((column, c)) = chars.next() {
-            let node_start = matches!(previous, None | Some(',' | '[' | '{'))
-                || (spaced && matches!(previous, Some(':' | '-' | '?')));
+            // Outside a flow, `,` is text and `-` marks an entry only in the line's lead; inside
+            // one, a value may follow its `:` at once (`{"a":"b"}`).
+            let in_flow = !open.is_empty();
+            let node_start = previous.is_none()
+                || (in_flow && matches!(previous, Some(',' | '[' | '{')))
+                || ((spaced || in_flow) && previous == Some(':'))
+                || (spaced && previous == Some('?'))
+                || (spaced && lead && previous == Some('-'));
+            if quote.is_none() && !matches!(c, ' ' | '\t' | '-') {
+                lead = false;
+            }
+            // A tag or an anchor (`!!str `, `&name `) before a node leaves it a node's start.
+            if quote.is_none() && node_start && matches!(c, '!' | '&') {
+                while chars.peek().is_some_and(|&(_, n)| n != ' ' && n != '\t') {
+                    chars.next();
+                }
+                continue;
+            }
             match (quote, c) {
                 (Some('"'), '\\') => {
                     chars.next();
@@ -610,7 +633,13 @@ fn scan_structure(lines: &[&str]) -> Structure {
                 None => line,
             };
             let code = code.trim_end();
-            let (before, last) = code.rsplit_once(' ').unwrap_or(("", code));
+            let (mut before, last) = code.rsplit_once(' ').unwrap_or(("", code));
+            // A tag or an anchor may stand before the indicator (`key: &text |`).
+            while let Some((rest, token)) = before.trim_end().rsplit_once(' ')
+                && token.starts_with(['!', '&'])
+            {
+                before = rest;
+            }
             let before = before.trim_end();
             if last.starts_with(['|', '>'])
                 && last[1..]
@@ -618,7 +647,14 @@ fn scan_structure(lines: &[&str]) -> Structure {
                     .all(|b| b == b'-' || b == b'+' || b.is_ascii_digit())
                 && (before.is_empty() || before.ends_with(':') || before.ends_with('-'))
             {
-                block_of = Some(indent);
+                // Its content is indented more than the node it belongs to: on a list entry's
+                // line (`- key: |`), the entry's key, not the `-`.
+                let key = line.len()
+                    - line
+                        .trim_start_matches(' ')
+                        .trim_start_matches(['-', ' '])
+                        .len();
+                block_of = Some(if before.ends_with(':') { key } else { indent });
             }
         }
     }
@@ -1133,6 +1169,11 @@ mod tests {
                 "version: 1\nendpoints:\n  p:\n    description: |\n      a [b}\n  q: {max_attempts: 3\n  r: {}\n",
                 " (the `{` at 6:6 is not closed)",
             ),
+            // An anchor before the bracket.
+            (
+                "version: 1\nendpoints:\n  p: &a {max_attempts: 3\n  q: {}\n",
+                " (the `{` at 3:9 is not closed)",
+            ),
             // Line breaks of a `\r` alone, as YAML reads them.
             (
                 "version: 1\rendpoints:\r  p: {max_attempts: 3\r  q: {}\r",
@@ -1151,6 +1192,15 @@ mod tests {
             (
                 "version: 1\nendpoints:\n  p: {max_attempts: 3,\n    deadline: 1s\n    per_try_timeout: 1s,\n  }\n",
                 " (the `{` at 3:6 closes at 6:3: is a `,` missing between two of its entries?)",
+            ),
+            // A tag before a quoted scalar, and keys and values quoted as JSON writes them.
+            (
+                "version: 1\nendpoints:\n  p: {description: !!str \"a {b\", max_attempts: 3 deadline: 1s}\n",
+                " (the `{` at 3:6 closes at 3:62: is a `,` missing between two of its entries?)",
+            ),
+            (
+                "version: 1\nendpoints:\n  p: {\"description\":\"x}\", \"max_attempts\": 3 \"deadline\": 1s}\n",
+                " (the `{` at 3:6 closes at 3:59: is a `,` missing between two of its entries?)",
             ),
             // Columns in characters, as the parser's: `ééé` is three, not six bytes.
             (
@@ -1176,7 +1226,14 @@ mod tests {
             ),
             "{err}"
         );
-        // A block scalar's content is text: its indent is not listed.
+        // A block scalar's content is text, an anchored one's and one on a list entry's line
+        // too: its indent is not listed.
+        let src = "version: 1\nendpoints:\n  p:\n    description: &d |\n       seven\n    max_attempts: 3\n   deadline: 1s\n";
+        let err = parse(src.as_bytes()).unwrap_err();
+        assert!(err.message.ends_with("is: 0, 2, 4)"), "{err}");
+        let src = "version: 1\nendpoints:\n  p:\n    routes:\n      - description: |\n          text\n        match: {path: /a}\n     x: 1\n";
+        let err = parse(src.as_bytes()).unwrap_err();
+        assert!(err.message.ends_with("is: 0, 2, 4, 6, 8)"), "{err}");
         let src = "version: 1\nendpoints:\n  p:\n    description: |\n       seven\n    max_attempts: 3\n   deadline: 1s\n";
         let err = parse(src.as_bytes()).unwrap_err();
         assert!(err.message.ends_with("is: 0, 2, 4)"), "{err}");
