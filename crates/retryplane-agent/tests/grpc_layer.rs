@@ -430,7 +430,22 @@ async fn a_call_whose_attempts_all_time_out_is_deadline_exceeded_for_the_grpc_cl
         ),
         "{status:?}"
     );
+    // As an answer given up on says: not to be retried by whoever it is handed on to.
+    assert_eq!(
+        gave_up_metadata(&status),
+        (Some("-1"), Some("attempts_exhausted"), Some("2"))
+    );
     assert_eq!(counts(&agent).gave_up_attempts, 1);
+}
+
+/// A status's `grpc-retry-pushback-ms`, `retryplane-gave-up` and `retryplane-attempts`.
+fn gave_up_metadata(status: &Status) -> (Option<&str>, Option<&str>, Option<&str>) {
+    let get = |key| status.metadata().get(key).and_then(|v| v.to_str().ok());
+    (
+        get("grpc-retry-pushback-ms"),
+        get("retryplane-gave-up"),
+        get("retryplane-attempts"),
+    )
 }
 
 #[tokio::test]
@@ -460,8 +475,51 @@ async fn a_call_the_open_breaker_refuses_is_unavailable_for_the_grpc_client() {
         ),
         "{status:?}"
     );
+    assert_eq!(
+        gave_up_metadata(&status),
+        (Some("-1"), Some("circuit_open"), Some("0"))
+    );
     assert_eq!(upstream.gets(), 1);
     assert_eq!(counts(&agent).circuit_open, 1);
+}
+
+/// Two layers stacked over one channel: the inner one refuses the call (its breaker open),
+/// and the outer one, reading the refusal's pushback, does not send it again.
+#[tokio::test]
+async fn a_layer_stacked_above_does_not_retry_what_the_one_below_refused() {
+    let yaml = "version: 1\ndefaults:\n  backoff: {base: 5ms, max: 20ms, jitter: none}\n  budget: {enabled: false}\n  circuit_breaker: {enabled: false}\nendpoints:\n  outer:\n    max_attempts: 3\n  upstream:\n    max_attempts: 1\n    circuit_breaker: {enabled: true, failure_ratio: 0.5, min_requests: 1, window: 10s, open_for: 60s, half_open_probes: 1}\n";
+    let agent = Agent::from_policies_seeded(
+        retryplane_policy::load(yaml.as_bytes()).policies.unwrap(),
+        1,
+    );
+    let (upstream, channel) = serve(&[(Code::Unavailable, None)]).await;
+    // The upstream's own UNAVAILABLE opens the inner breaker.
+    get(&agent, channel.clone(), Some(true)).await.unwrap_err();
+    let service = tower::ServiceBuilder::new()
+        .layer(RetryLayer::new(agent.endpoint("outer")))
+        .layer(RetryLayer::new(agent.endpoint("upstream")))
+        .map_request(into_tonic_request)
+        .service(channel);
+    let mut client = AdminServiceClient::new(service);
+    let mut request = Request::new(pb::GetRequest { version: 0 });
+    request.extensions_mut().insert(Idempotent(true));
+    let status = tokio::time::timeout(WAIT, client.get(request))
+        .await
+        .expect("the call ends in time")
+        .unwrap_err();
+    assert_eq!(status.code(), Code::Unavailable, "{status:?}");
+    assert_eq!(upstream.gets(), 1);
+    assert_eq!(
+        counts(&agent).circuit_open,
+        1,
+        "refused once, not once an outer attempt"
+    );
+    let outer = agent.endpoint("outer").pending_counts();
+    assert_eq!(
+        (outer.retries, outer.gave_up_not_retryable),
+        (0, 1),
+        "{outer:?}"
+    );
 }
 
 #[tokio::test]

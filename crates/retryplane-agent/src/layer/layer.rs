@@ -455,6 +455,12 @@ where
             grpc_answer_classification(response.status(), grpc_status_carrier(response))
         }
         Ok(response) => response.classify(),
+        // A status an inner service returned as its error (a `RetryLayer` below this one that
+        // gave up with no answer) is judged as the status, its pushback read: a layer stacked
+        // above does not retry what the one below refused or retried already.
+        Err(e) if grpc && e.is::<tonic::Status>() => e
+            .downcast_ref::<tonic::Status>()
+            .map_or_else(|| classify_boxed(&**e), tonic::Status::classify),
         Err(e) if timeouts_are_the_channels => {
             channel_timeout_is_a_timeout(classify_boxed(&**e), &**e)
         }
@@ -1046,7 +1052,7 @@ fn gave_up<RB>(
     // A gRPC call its caller cancelled (a token in the request) is `CANCELLED`, whatever its
     // last attempt got: not an upstream's code, which the caller might hand on or retry.
     if grpc && cause == Cause::Cancelled {
-        return Err(no_answer(RetryError::NoAnswer { cause }, grpc));
+        return Err(no_answer(RetryError::NoAnswer { cause }, grpc, attempts));
     }
     match last {
         Some(Last::Response(mut response)) => {
@@ -1074,28 +1080,51 @@ fn gave_up<RB>(
         Some(Last::Error(e))
             if grpc && timeouts_are_the_channels && tonic_timeout_in_chain(&*e) =>
         {
-            Err(no_answer(RetryError::TimedOut { cause, attempts }, grpc))
+            Err(no_answer(
+                RetryError::TimedOut { cause, attempts },
+                grpc,
+                attempts,
+            ))
         }
         Some(Last::Error(e)) => Err(e),
-        Some(Last::TimedOut) => Err(no_answer(RetryError::TimedOut { cause, attempts }, grpc)),
-        None => Err(no_answer(RetryError::NoAnswer { cause }, grpc)),
+        Some(Last::TimedOut) => Err(no_answer(
+            RetryError::TimedOut { cause, attempts },
+            grpc,
+            attempts,
+        )),
+        None => Err(no_answer(RetryError::NoAnswer { cause }, grpc, attempts)),
     }
 }
 
-/// The error of a call that ended with no answer: `e` itself, or for a gRPC request a
-/// `tonic::Status` with the code a gRPC client reports for it (`DEADLINE_EXCEEDED` when time
-/// ran out, `UNAVAILABLE` when the circuit is open, `CANCELLED`), `e` as its message and its
-/// source. A tonic client takes a `Status` it finds as it is, so its caller gets that code
-/// rather than `UNKNOWN`.
-fn no_answer(e: RetryError, grpc: bool) -> BoxError {
+/// The error of a call that ended with no answer after `attempts` attempts: `e` itself, or
+/// for a gRPC request a `tonic::Status` with the code a gRPC client reports for it
+/// (`DEADLINE_EXCEEDED` when time ran out, `UNAVAILABLE` when the circuit is open,
+/// `CANCELLED`), `e` as its message and its source, and the metadata an answer the call gave
+/// up on carries ([`GaveUp`]): `retryplane-gave-up` and `retryplane-attempts`, and for a call
+/// that gave up (not a cancelled one) `grpc-retry-pushback-ms: -1`, so that whoever the
+/// status is handed on to, a `RetryLayer` stacked above this one included, does not retry
+/// what was retried (or refused) already. A tonic client takes a `Status` it finds as it is,
+/// so its caller gets that code and metadata rather than `UNKNOWN`.
+fn no_answer(e: RetryError, grpc: bool, attempts: u32) -> BoxError {
     if !grpc {
         return e.into();
     }
-    let code = match &e {
-        RetryError::TimedOut { cause, .. } => cause.grpc_code(true),
-        RetryError::NoAnswer { cause } => cause.grpc_code(false),
+    let (code, cause) = match &e {
+        RetryError::TimedOut { cause, .. } => (cause.grpc_code(true), *cause),
+        RetryError::NoAnswer { cause } => (cause.grpc_code(false), *cause),
     };
     let mut status = tonic::Status::new(code, e.to_string());
+    let metadata = status.metadata_mut();
+    if let Cause::GaveUp(_) = cause {
+        metadata.insert(
+            crate::classify::GRPC_PUSHBACK_KEY,
+            tonic::metadata::MetadataValue::from_static("-1"),
+        );
+    }
+    if let Ok(why) = cause.to_string().parse() {
+        metadata.insert(crate::error::GAVE_UP_KEY, why);
+    }
+    metadata.insert(crate::error::ATTEMPTS_KEY, attempts.into());
     status.set_source(Arc::new(e));
     Box::new(status)
 }

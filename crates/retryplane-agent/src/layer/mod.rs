@@ -355,7 +355,9 @@ pub struct GaveUp {
 /// For a gRPC request the layer returns it inside a `tonic::Status` (as its source): the
 /// status's code is `DEADLINE_EXCEEDED` for [`RetryError::TimedOut`] and for a call with no
 /// time left, `UNAVAILABLE` for an open circuit, `CANCELLED` for a cancelled call; reach it
-/// with `status.source()` and `downcast_ref::<RetryError>()`.
+/// with `status.source()` and `downcast_ref::<RetryError>()`. The status carries the metadata
+/// of an answer the call gave up on ([`GaveUp`]): `retryplane-gave-up`, `retryplane-attempts`
+/// and, but for a cancelled call, `grpc-retry-pushback-ms: -1`.
 #[derive(Debug, thiserror::Error)]
 pub enum RetryError {
     /// The last attempt ran out of time.
