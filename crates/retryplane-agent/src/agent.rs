@@ -379,6 +379,12 @@ impl Agent {
     /// [`PolicySnapshot::source`]), or log each version as it comes. A watch that falls behind
     /// sees only the latest policies.
     ///
+    /// Wait for any source but [`Source::Fallback`], as below, not for
+    /// [`Source::ControlPlane`] alone: an agent restarted with a current cache file stays on
+    /// [`Source::Cache`] once connected, as the control plane sends nothing to an agent that
+    /// runs its version, and a wait for the control plane's would never end. (A newer version
+    /// is pushed as soon as the agent connects, and the watch is told of it then.)
+    ///
     /// ```
     /// # #[tokio::main(flavor = "current_thread")]
     /// # async fn main() {
@@ -389,9 +395,10 @@ impl Agent {
     ///
     /// let mut policies = agent.watch_policies();
     /// # agent.set_policies(retryplane_agent::policy::load(yaml).policies.unwrap());
-    /// // Ready once the policies are the control plane's (or, here, set by the service).
+    /// // Ready once the policies are no longer the fallback: the cache file's, the control
+    /// // plane's, or (here) set by the service.
     /// let ready = policies
-    ///     .wait_for(|p| matches!(p.source(), Source::ControlPlane | Source::Static))
+    ///     .wait_for(|p| p.source() != Source::Fallback)
     ///     .await;
     /// assert!(ready.is_some());
     /// # }

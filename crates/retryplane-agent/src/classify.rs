@@ -283,7 +283,9 @@ impl Classify for std::io::Error {
 /// its source chain, as the tower layer judges its inner service's errors (the first tonic
 /// connect error, hyper-util or hyper error, (feature `reqwest`) reqwest error, timeout of a
 /// middleware or classifiable `io::Error` decides), and as a reset (an unknown outcome: only
-/// idempotent or keyed calls are retried) with none of them.
+/// idempotent or keyed calls are retried) with none of them. (Such a box is no
+/// `std::error::Error` itself, so neither is a call's `CallError` with it: `?` takes it once
+/// [`CallError::boxed`](crate::CallError::boxed) has made it one.)
 impl Classify for Box<dyn StdError + Send + Sync> {
     fn classify(&self) -> Classification {
         classify_dyn(&**self)

@@ -390,6 +390,55 @@ impl<T, E: std::error::Error + 'static> std::error::Error for CallError<T, E> {
     }
 }
 
+impl<T, E: Into<crate::layer::BoxError>> CallError<T, E> {
+    /// This error with the last attempt's error boxed in a [`BoxedError`], which is a
+    /// `std::error::Error` whatever `E` was: a call whose attempts return a
+    /// `Box<dyn Error + Send + Sync>` (which is no `std::error::Error` itself) gives a
+    /// `CallError` that `?` takes into an `anyhow::Result` or a `Box<dyn Error + Send + Sync>`.
+    ///
+    /// ```
+    /// # use retryplane_agent::{CallError, Cause, GiveUpCause, Last};
+    /// type BoxError = Box<dyn std::error::Error + Send + Sync>;
+    /// fn handler(e: CallError<(), BoxError>) -> Result<(), BoxError> {
+    ///     Err(e).map_err(CallError::boxed)?
+    /// }
+    /// # let e = CallError::new(Cause::GaveUp(GiveUpCause::AttemptsExhausted),
+    /// #     Some(Last::Error("refused".into())), 3);
+    /// let error = handler(e).unwrap_err();
+    /// assert!(error.to_string().starts_with("call failed after 3 attempt(s)"));
+    /// assert_eq!(error.source().unwrap().to_string(), "refused");
+    /// ```
+    pub fn boxed(self) -> CallError<T, BoxedError> {
+        CallError {
+            cause: self.cause,
+            last: self.last.map(|last| match last {
+                Last::Response(response) => Last::Response(response),
+                Last::Error(e) => Last::Error(BoxedError(e.into())),
+                Last::TimedOut => Last::TimedOut,
+            }),
+            attempts: self.attempts,
+            class: self.class,
+        }
+    }
+}
+
+/// A boxed error as a `std::error::Error` ([`CallError::boxed`]): its `Display` and source
+/// are the boxed error's.
+#[derive(Debug)]
+pub struct BoxedError(pub crate::layer::BoxError);
+
+impl fmt::Display for BoxedError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Display::fmt(&self.0, f)
+    }
+}
+
+impl std::error::Error for BoxedError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        self.0.source()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

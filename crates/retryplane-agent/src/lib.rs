@@ -90,7 +90,7 @@ mod url;
 pub use agent::{Agent, AgentBuilder, DEFAULT_METRICS_INTERVAL, PolicyWatch};
 pub use call::Endpoint;
 pub use classify::{Classification, Classify};
-pub use error::{AgentError, CallError, Cause, Last, Refusal, StreamError};
+pub use error::{AgentError, BoxedError, CallError, Cause, Last, Refusal, StreamError};
 pub use meta::{AttemptInfo, CallMeta};
 pub use metrics::CounterValues;
 pub use snapshot::{PolicySnapshot, Source, fallback_policy};
