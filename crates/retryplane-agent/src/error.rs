@@ -423,7 +423,8 @@ impl<T, E: Into<crate::layer::BoxError>> CallError<T, E> {
 }
 
 /// A boxed error as a `std::error::Error` ([`CallError::boxed`]): its `Display` and source
-/// are the boxed error's.
+/// are the boxed error's (so a chain is not told the same twice); the boxed error itself, to
+/// downcast, is `.0`.
 #[derive(Debug)]
 pub struct BoxedError(pub crate::layer::BoxError);
 

@@ -594,6 +594,35 @@ async fn a_channels_request_timeout_through_the_layer_is_a_per_try_timeout() {
     }
 }
 
+/// A middleware under the layer that hands on the channel's errors as statuses
+/// (`Status::from_error`) leaves a channel's request timeout a timeout: retried for an
+/// idempotent call, as without it.
+#[tokio::test]
+async fn a_channels_request_timeout_under_a_status_is_still_a_per_try_timeout() {
+    let channel = Channel::from_shared(format!("http://{}", silent_server().await))
+        .unwrap()
+        .timeout(Duration::from_millis(100))
+        .connect_lazy();
+    let agent = self::agent();
+    let service = tower::ServiceBuilder::new()
+        .layer(RetryLayer::new(agent.endpoint("upstream")))
+        .map_request(into_tonic_request)
+        .map_err(|e: tonic::transport::Error| -> tower::BoxError {
+            Box::new(Status::from_error(Box::new(e)))
+        })
+        .service(channel);
+    let mut client = AdminServiceClient::new(service);
+    let mut request = Request::new(pb::GetRequest { version: 0 });
+    request.extensions_mut().insert(Idempotent(true));
+    let status = tokio::time::timeout(WAIT, client.get(request))
+        .await
+        .expect("the call ends in time")
+        .unwrap_err();
+    assert_eq!(status.code(), Code::DeadlineExceeded, "{status:?}");
+    let c = counts(&agent);
+    assert_eq!((c.attempts, c.gave_up_attempts), (3, 1), "{c:?}");
+}
+
 #[tokio::test]
 async fn a_grpc_timeout_only_tonic_reads_is_the_callers_deadline_and_not_retried_past() {
     // `+1S` is not a `grpc-timeout` the protocol allows, but tonic reads it (as 1 s) and ends

@@ -455,16 +455,21 @@ where
             grpc_answer_classification(response.status(), grpc_status_carrier(response))
         }
         Ok(response) => response.classify(),
-        // A status an inner service returned as its error (a `RetryLayer` below this one that
-        // gave up with no answer) is judged as the status, its pushback read: a layer stacked
-        // above does not retry what the one below refused or retried already.
-        Err(e) if grpc && e.is::<tonic::Status>() => e
-            .downcast_ref::<tonic::Status>()
-            .map_or_else(|| classify_boxed(&**e), tonic::Status::classify),
-        Err(e) if timeouts_are_the_channels => {
-            channel_timeout_is_a_timeout(classify_boxed(&**e), &**e)
+        Err(e) => {
+            // A status an inner service returned as its error (a `RetryLayer` below this one
+            // that gave up with no answer) is judged as the status, its pushback read: a layer
+            // stacked above does not retry what the one below refused or retried already.
+            let judged = match e.downcast_ref::<tonic::Status>() {
+                Some(status) if grpc => status.classify(),
+                _ => classify_boxed(&**e),
+            };
+            // A channel's request timeout, under a status too, is a timeout.
+            if timeouts_are_the_channels {
+                channel_timeout_is_a_timeout(judged, &**e)
+            } else {
+                judged
+            }
         }
-        Err(e) => classify_boxed(&**e),
     };
     let (result, callers) = match prepared {
         Prepared::Buffered {

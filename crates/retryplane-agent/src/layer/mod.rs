@@ -111,7 +111,11 @@
 //!   timeout middleware below the layer (tower's `TimeoutLayer`, `tokio::time::timeout`) is a
 //!   timeout, and so is tonic's own request timeout of a channel's `Endpoint::timeout` (the
 //!   caller's `grpc-timeout`, which tonic enforces with the same error, ends the call at the
-//!   agent's own timer instead, as `DEADLINE_EXCEEDED`); anything else counts as a reset.
+//!   agent's own timer instead, as `DEADLINE_EXCEEDED`); for a gRPC request, a `tonic::Status`
+//!   the inner service returns as its error (a `RetryLayer` below this one that gave up with
+//!   no answer) counts as that status, its pushback read, so a layer stacked above does not
+//!   send again what the one below refused or retried (when its policy honours hints);
+//!   anything else counts as a reset.
 //!   Timeout and reset are unknown outcomes, so only idempotent or keyed requests are
 //!   retried.
 //! - The client's response body becomes a [`ResponseBody`]. An answer that failed (an HTTP
