@@ -308,20 +308,31 @@ impl<T> From<CallError<T, tonic::Status>> for tonic::Status {
             }
             _ => tonic::Status::new(cause.grpc_code(timed_out), message),
         };
-        let metadata = status.metadata_mut();
-        if let Cause::GaveUp(_) = cause {
-            metadata.insert(
-                crate::classify::GRPC_PUSHBACK_KEY,
-                tonic::metadata::MetadataValue::from_static("-1"),
-            );
-        }
-        if cause != Cause::Succeeded {
-            if let Ok(why) = cause.to_string().parse() {
-                metadata.insert(GAVE_UP_KEY, why);
-            }
-            metadata.insert(ATTEMPTS_KEY, attempts.into());
-        }
+        mark_gave_up(status.metadata_mut(), cause, attempts);
         status
+    }
+}
+
+/// Writes into a status's metadata why a call ended after `attempts` attempts, as an answer
+/// the tower layer gave up on says it: `grpc-retry-pushback-ms: -1` for a call that gave up
+/// (whoever the status is handed on to does not retry what was retried already), and
+/// `retryplane-gave-up` and `retryplane-attempts` for any call that did not succeed.
+pub(crate) fn mark_gave_up(
+    metadata: &mut tonic::metadata::MetadataMap,
+    cause: Cause,
+    attempts: u32,
+) {
+    if let Cause::GaveUp(_) = cause {
+        metadata.insert(
+            crate::classify::GRPC_PUSHBACK_KEY,
+            tonic::metadata::MetadataValue::from_static("-1"),
+        );
+    }
+    if cause != Cause::Succeeded {
+        if let Ok(why) = cause.to_string().parse() {
+            metadata.insert(GAVE_UP_KEY, why);
+        }
+        metadata.insert(ATTEMPTS_KEY, attempts.into());
     }
 }
 

@@ -1119,17 +1119,7 @@ fn no_answer(e: RetryError, grpc: bool, attempts: u32) -> BoxError {
         RetryError::NoAnswer { cause } => (cause.grpc_code(false), *cause),
     };
     let mut status = tonic::Status::new(code, e.to_string());
-    let metadata = status.metadata_mut();
-    if let Cause::GaveUp(_) = cause {
-        metadata.insert(
-            crate::classify::GRPC_PUSHBACK_KEY,
-            tonic::metadata::MetadataValue::from_static("-1"),
-        );
-    }
-    if let Ok(why) = cause.to_string().parse() {
-        metadata.insert(crate::error::GAVE_UP_KEY, why);
-    }
-    metadata.insert(crate::error::ATTEMPTS_KEY, attempts.into());
+    crate::error::mark_gave_up(status.metadata_mut(), cause, attempts);
     status.set_source(Arc::new(e));
     Box::new(status)
 }
