@@ -52,7 +52,7 @@ mod shown;
 mod simulate;
 mod validate;
 
-use std::io::{self, Write};
+use std::io::Write;
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
@@ -204,7 +204,7 @@ fn main() -> ExitCode {
         }
     };
     let outcome = match run(cli) {
-        Ok(report) => match print_stdout(&report.stdout) {
+        Ok(report) => match output::stdout(&report.stdout) {
             Ok(()) => report.outcome,
             Err(e) => {
                 output::error(format_args!("cannot write to stdout: {e}"));
@@ -239,20 +239,5 @@ fn run(cli: Cli) -> anyhow::Result<Report> {
         Command::Simulate(args) => simulate::run(&args.try_into()?),
         Command::Request(args) => request::run(&args.try_into()?),
         Command::Completions(args) => Ok(completions::run(&args)),
-    }
-}
-
-/// Writes `text` to stdout. A reader that went away (`retryplane validate … | head -1`) is not
-/// an error: the exit code still tells what was found. Nothing to write touches nothing: `serve`
-/// prints its own lines as it goes, and a write of them that failed (and was logged) must not
-/// turn its clean stop into an error when the same bytes fail again here.
-fn print_stdout(text: &str) -> io::Result<()> {
-    if text.is_empty() {
-        return Ok(());
-    }
-    let mut out = io::stdout().lock();
-    match out.write_all(text.as_bytes()).and_then(|()| out.flush()) {
-        Err(e) if e.kind() == io::ErrorKind::BrokenPipe => Ok(()),
-        other => other,
     }
 }

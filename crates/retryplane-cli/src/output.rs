@@ -18,6 +18,21 @@ pub enum Format {
     Json,
 }
 
+/// Writes `text` to stdout. A reader that went away (`retryplane validate … | head -1`) is not
+/// an error: the exit code still tells what was found. Nothing to write touches nothing: `serve`
+/// prints its own lines as it goes, and a write of them that failed (and was logged) must not
+/// turn its clean stop into an error when the same bytes fail again here.
+pub fn stdout(text: &str) -> io::Result<()> {
+    if text.is_empty() {
+        return Ok(());
+    }
+    let mut out = io::stdout().lock();
+    match out.write_all(text.as_bytes()).and_then(|()| out.flush()) {
+        Err(e) if e.kind() == io::ErrorKind::BrokenPipe => Ok(()),
+        other => other,
+    }
+}
+
 /// Prints `retryplane: error: MESSAGE` on stderr. A closed stderr is ignored: there is nowhere
 /// left to complain to.
 pub fn error(message: fmt::Arguments<'_>) {

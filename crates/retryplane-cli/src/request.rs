@@ -479,7 +479,20 @@ pub fn run(settings: &Settings) -> anyhow::Result<Report> {
             }
             (None, PolicyFrom::File(_)) => bail!("no policy"),
         };
-        let summary = call(&agent, settings).await;
+        // The report goes out as soon as the call ends (not after the agent's counts are
+        // flushed), and the lines that explain it after it: at a terminal they come under
+        // the attempts they speak of.
+        let printed = call(&agent, settings).await.and_then(|summary| {
+            let stdout = match settings.format {
+                Format::Text => summary.to_text(),
+                Format::Json => summary.to_json()?,
+            };
+            output::stdout(&stdout).context("cannot write to stdout")?;
+            for line in &summary.notes {
+                output::note(format_args!("{line}"));
+            }
+            Ok(summary.success)
+        });
         if let PolicyFrom::Server(_, _, shown) = &settings.policy {
             let reported = shutdown(&agent).await;
             if !reported || counts_left(&agent, &settings.endpoint) {
@@ -491,14 +504,9 @@ pub fn run(settings: &Settings) -> anyhow::Result<Report> {
                 ));
             }
         }
-        let summary = summary?;
-        let stdout = match settings.format {
-            Format::Text => summary.to_text(),
-            Format::Json => summary.to_json()?,
-        };
         Ok(Report {
-            stdout,
-            outcome: if summary.success {
+            stdout: String::new(),
+            outcome: if printed? {
                 Exit::Success
             } else {
                 Exit::Failure
@@ -757,13 +765,15 @@ async fn call(agent: &Agent, s: &Settings) -> anyhow::Result<Summary> {
             status: Some(response.status().as_u16()),
             attempts,
             elapsed,
+            notes: Vec::new(),
         },
         Err(e) => {
             // What the last attempt ran into, which its class alone does not say: refused,
             // a name that does not resolve, a TLS handshake, an upstream that does not speak
             // HTTP. (An attempt its time limit dropped has no error: `timeout` says it all.)
+            let mut notes = Vec::new();
             if let Some(err) = e.error() {
-                output::error(format_args!("{}", ErrorChain(err)));
+                notes.push(format!("retryplane: error: {}", ErrorChain(err)));
             }
             // A cause alone does not say what the policy found in the last answer: why it was
             // not retried, which pause was asked for, what was left of the deadline. Said,
@@ -787,7 +797,7 @@ async fn call(agent: &Agent, s: &Settings) -> anyhow::Result<Summary> {
                     && let Some(why) =
                         why_it_gave_up(&policy_of(agent, s), s, cause, &last, elapsed)
                 {
-                    output::note(format_args!("retryplane: {why}"));
+                    notes.push(format!("retryplane: {why}"));
                 }
             }
             Summary {
@@ -796,6 +806,7 @@ async fn call(agent: &Agent, s: &Settings) -> anyhow::Result<Summary> {
                 status: e.response().filter(|_| !cut).map(|r| r.status().as_u16()),
                 attempts,
                 elapsed,
+                notes,
             }
         }
     })

@@ -1561,6 +1561,44 @@ fn failed_stderr(policy: &str, args: &[&str]) -> String {
     String::from_utf8(out.stderr).unwrap()
 }
 
+/// At a terminal, where stdout and stderr meet, the lines that explain a failure come under
+/// the report they speak of, not above it.
+#[test]
+fn the_notes_of_a_failure_come_after_its_report() {
+    let up = Upstream::start(&[(503, "")]);
+    let dir = TempDir::new().unwrap();
+    let policy = dir.path().join("policy.yaml");
+    fs::write(&policy, POLICY).unwrap();
+    let both = dir.path().join("out");
+    let file = fs::File::create(&both).unwrap();
+    let mut cmd = support::cli_process(&["request", "--endpoint", "api", "--policy"]);
+    cmd.arg(&policy)
+        .args(["--data", "x", &up.url("/v1/charges")])
+        .stdout(file.try_clone().unwrap())
+        .stderr(file);
+    let rt = Runtime::new().unwrap();
+    let status = rt.block_on(async {
+        let mut child = tokio::process::Command::from(cmd)
+            .kill_on_drop(true)
+            .spawn()
+            .unwrap();
+        tokio::time::timeout(std::time::Duration::from_secs(30), child.wait())
+            .await
+            .expect("request did not end in 30 s")
+            .unwrap()
+    });
+    assert_eq!(status.code(), Some(1));
+    let out = fs::read_to_string(&both).unwrap();
+    let lines: Vec<&str> = out.lines().collect();
+    assert_eq!(lines.len(), 3, "{out}");
+    assert_eq!(lines[0], "attempt 1: HTTP 503", "{out}");
+    assert!(lines[1].starts_with("failure: not_retryable"), "{out}");
+    assert!(
+        lines[2].starts_with("retryplane: HTTP 503 is one the policy retries"),
+        "{out}"
+    );
+}
+
 /// A failure that was not retried says why on stderr: the method and the missing key for a
 /// failure the policy retries, a timeout's unknown outcome, or `retry_on` not listing it.
 #[test]

@@ -55,6 +55,10 @@ pub struct Summary {
     pub attempts: Vec<Attempt>,
     /// From the start of the call to its end.
     pub elapsed: Duration,
+    /// Lines for stderr that explain the outcome (what the last attempt ran into, why the
+    /// policy gave up), printed after the report so that they come under the attempts they
+    /// speak of.
+    pub notes: Vec<String>,
 }
 
 #[derive(Serialize)]
@@ -190,6 +194,7 @@ mod tests {
                 },
             ],
             elapsed: Duration::from_millis(123),
+            notes: Vec::new(),
         }
     }
 
