@@ -56,10 +56,31 @@ pub trait Classify {
 /// [`tonic::Status`] is. A gRPC response whose status comes in trailers is judged by its HTTP
 /// status, a success: its body is not read here (the tower layer looks at its first frame:
 /// trailers before any message are then the call's code).
+///
+/// A response a [`RetryLayer`](crate::layer::RetryLayer) below gave up on (it carries
+/// [`GaveUp`](crate::layer::GaveUp) in its extensions) is fatal: retried at one layer only,
+/// it is not sent again by a call that got it through that layer.
 impl<B> Classify for http::Response<B> {
     fn classify(&self) -> Classification {
+        if gave_up_below(self.extensions()) {
+            return Classification::Fatal;
+        }
         http_classification(self.status(), self.headers())
     }
+}
+
+/// Whether a response's `extensions` say a [`RetryLayer`](crate::layer::RetryLayer) in this
+/// process gave up on it. (An extension never crosses the wire: only a layer stacked below,
+/// in-process, puts it there.)
+pub(crate) fn gave_up_below(extensions: &http::Extensions) -> bool {
+    extensions.get::<crate::layer::GaveUp>().is_some()
+}
+
+/// Whether `e` is, or holds in its source chain, the error of a
+/// [`RetryLayer`](crate::layer::RetryLayer) that gave up with no answer (its circuit open,
+/// its attempts timed out).
+fn retry_error_in_chain(e: &(dyn StdError + 'static)) -> bool {
+    chain(e).any(|err| err.is::<crate::layer::RetryError>())
 }
 
 /// (feature `reqwest`) As [`http::Response`]: the status, `Retry-After`, and a
@@ -94,13 +115,20 @@ fn http_classification(status: http::StatusCode, headers: &http::HeaderMap) -> C
 /// timeout → timeout, and so is a timeout middleware's error (tower's `Timeout` under the
 /// channel): no answer came in time. tonic's own request timeout (`CANCELLED`) is judged by its
 /// code: it may be the caller's deadline, which a retry must not run past (tonic raises the
-/// same error for both). Any other status (one the server sent, or
+/// same error for both). A status that holds a [`RetryError`](crate::layer::RetryError) (a
+/// `RetryLayer` under the channel gave up with no answer) is fatal: retried at that layer
+/// only, whatever the policy says of its pushback. Any other status (one the server sent, or
 /// one with no transport error below it): `Code::Ok` is a success; any other code is an
 /// outcome the policy judges, with the `grpc-retry-pushback-ms` trailer (non-ASCII counts as
 /// unparseable: do not retry).
 impl Classify for tonic::Status {
     fn classify(&self) -> Classification {
         if let Some(source) = self.source() {
+            // A `RetryLayer` below gave up with no answer (its status holds its `RetryError`):
+            // retried at one layer only, whatever this policy makes of the pushback it wrote.
+            if retry_error_in_chain(source) {
+                return Classification::Fatal;
+            }
             // The caller's own errors that tonic hands back as a status: the channel's URI
             // (or a URL its connector refuses). Any other fatal error below a status is judged
             // by the status's code, as tonic's clients read it.
@@ -279,7 +307,9 @@ impl Classify for std::io::Error {
 }
 
 /// A type-erased error, what a tower stack's services return (`tower::BoxError`) and what
-/// `?` makes of any error: a boxed [`tonic::Status`] counts as that status; anything else by
+/// `?` makes of any error: a boxed [`tonic::Status`] counts as that status; a
+/// [`RetryError`](crate::layer::RetryError) in its chain (a `RetryLayer` gave up with no
+/// answer) is fatal, retried at that layer only; anything else by
 /// its source chain, as the tower layer judges its inner service's errors (the first tonic
 /// connect error, hyper-util or hyper error, (feature `reqwest`) reqwest error, timeout of a
 /// middleware or classifiable `io::Error` decides), and as a reset (an unknown outcome: only
@@ -578,6 +608,11 @@ fn transport_in_chain(e: &(dyn StdError + 'static)) -> Option<Classification> {
 /// What `err` itself says, if it is one of the errors [`transport_in_chain`] looks for.
 fn transport_of(err: &(dyn StdError + 'static)) -> Option<Classification> {
     let transport = |class| Some(Classification::Outcome(Outcome::Transport(class)));
+    // A `RetryLayer` below gave up with no answer: what it retried (or refused) is not sent
+    // again by a layer or call above it.
+    if err.is::<crate::layer::RetryError>() {
+        return Some(Classification::Fatal);
+    }
     // tonic's refusal of its channel's URI (`invalid URI`: `host:port` without a scheme, a
     // URI it cannot send to): the caller's own, sent nowhere. tonic exposes no error kind;
     // its message for this one is fixed.

@@ -484,42 +484,96 @@ async fn a_call_the_open_breaker_refuses_is_unavailable_for_the_grpc_client() {
 }
 
 /// Two layers stacked over one channel: the inner one refuses the call (its breaker open),
-/// and the outer one, reading the refusal's pushback, does not send it again.
+/// and the outer one does not send it again (retried at one layer only), whether or not its
+/// policy honours the refusal's pushback.
 #[tokio::test]
 async fn a_layer_stacked_above_does_not_retry_what_the_one_below_refused() {
-    let yaml = "version: 1\ndefaults:\n  backoff: {base: 5ms, max: 20ms, jitter: none}\n  budget: {enabled: false}\n  circuit_breaker: {enabled: false}\nendpoints:\n  outer:\n    max_attempts: 3\n  upstream:\n    max_attempts: 1\n    circuit_breaker: {enabled: true, failure_ratio: 0.5, min_requests: 1, window: 10s, open_for: 60s, half_open_probes: 1}\n";
-    let agent = Agent::from_policies_seeded(
-        retryplane_policy::load(yaml.as_bytes()).policies.unwrap(),
-        1,
-    );
-    let (upstream, channel) = serve(&[(Code::Unavailable, None)]).await;
-    // The upstream's own UNAVAILABLE opens the inner breaker.
-    get(&agent, channel.clone(), Some(true)).await.unwrap_err();
-    let service = tower::ServiceBuilder::new()
-        .layer(RetryLayer::new(agent.endpoint("outer")))
-        .layer(RetryLayer::new(agent.endpoint("upstream")))
-        .map_request(into_tonic_request)
-        .service(channel);
-    let mut client = AdminServiceClient::new(service);
-    let mut request = Request::new(pb::GetRequest { version: 0 });
-    request.extensions_mut().insert(Idempotent(true));
-    let status = tokio::time::timeout(WAIT, client.get(request))
-        .await
-        .expect("the call ends in time")
-        .unwrap_err();
-    assert_eq!(status.code(), Code::Unavailable, "{status:?}");
-    assert_eq!(upstream.gets(), 1);
-    assert_eq!(
-        counts(&agent).circuit_open,
-        1,
-        "refused once, not once an outer attempt"
-    );
-    let outer = agent.endpoint("outer").pending_counts();
-    assert_eq!(
-        (outer.retries, outer.gave_up_not_retryable),
-        (0, 1),
-        "{outer:?}"
-    );
+    for honor in [true, false] {
+        let yaml = format!(
+            "version: 1\ndefaults:\n  backoff: {{base: 5ms, max: 20ms, jitter: none}}\n  budget: {{enabled: false}}\n  circuit_breaker: {{enabled: false}}\n  retry_after: {{honor: {honor}}}\nendpoints:\n  outer:\n    max_attempts: 3\n  upstream:\n    max_attempts: 1\n    circuit_breaker: {{enabled: true, failure_ratio: 0.5, min_requests: 1, window: 10s, open_for: 60s, half_open_probes: 1}}\n"
+        );
+        let agent = Agent::from_policies_seeded(
+            retryplane_policy::load(yaml.as_bytes()).policies.unwrap(),
+            1,
+        );
+        let (upstream, channel) = serve(&[(Code::Unavailable, None)]).await;
+        // The upstream's own UNAVAILABLE opens the inner breaker.
+        get(&agent, channel.clone(), Some(true)).await.unwrap_err();
+        let service = tower::ServiceBuilder::new()
+            .layer(RetryLayer::new(agent.endpoint("outer")))
+            .layer(RetryLayer::new(agent.endpoint("upstream")))
+            .map_request(into_tonic_request)
+            .service(channel);
+        let mut client = AdminServiceClient::new(service);
+        let mut request = Request::new(pb::GetRequest { version: 0 });
+        request.extensions_mut().insert(Idempotent(true));
+        let status = tokio::time::timeout(WAIT, client.get(request))
+            .await
+            .expect("the call ends in time")
+            .unwrap_err();
+        assert_eq!(
+            status.code(),
+            Code::Unavailable,
+            "honor {honor}: {status:?}"
+        );
+        assert_eq!(upstream.gets(), 1);
+        assert_eq!(
+            counts(&agent).circuit_open,
+            1,
+            "honor {honor}: refused once, not once an outer attempt"
+        );
+        let outer = agent.endpoint("outer").pending_counts();
+        assert_eq!(
+            (outer.retries, outer.gave_up_not_retryable),
+            (0, 1),
+            "honor {honor}: {outer:?}"
+        );
+    }
+}
+
+/// An answer the inner layer gave up on (an upstream's `UNAVAILABLE` after its attempts) is
+/// not sent again by the outer one either, whether or not its policy honours hints.
+#[tokio::test]
+async fn a_layer_stacked_above_does_not_retry_an_answer_the_one_below_gave_up_on() {
+    for honor in [true, false] {
+        let yaml = format!(
+            "version: 1\ndefaults:\n  backoff: {{base: 5ms, max: 20ms, jitter: none}}\n  budget: {{enabled: false}}\n  circuit_breaker: {{enabled: false}}\n  retry_after: {{honor: {honor}}}\nendpoints:\n  outer:\n    max_attempts: 3\n  upstream:\n    max_attempts: 2\n"
+        );
+        let agent = Agent::from_policies_seeded(
+            retryplane_policy::load(yaml.as_bytes()).policies.unwrap(),
+            1,
+        );
+        let (upstream, channel) = serve(&[(Code::Unavailable, None); 6]).await;
+        let service = tower::ServiceBuilder::new()
+            .layer(RetryLayer::new(agent.endpoint("outer")))
+            .layer(RetryLayer::new(agent.endpoint("upstream")))
+            .map_request(into_tonic_request)
+            .service(channel);
+        let mut client = AdminServiceClient::new(service);
+        let mut request = Request::new(pb::GetRequest { version: 0 });
+        request.extensions_mut().insert(Idempotent(true));
+        let status = tokio::time::timeout(WAIT, client.get(request))
+            .await
+            .expect("the call ends in time")
+            .unwrap_err();
+        assert_eq!(
+            status.code(),
+            Code::Unavailable,
+            "honor {honor}: {status:?}"
+        );
+        assert_eq!(
+            gave_up_metadata(&status),
+            (Some("-1"), Some("attempts_exhausted"), Some("2")),
+            "honor {honor}: the inner layer's cause and attempts"
+        );
+        assert_eq!(upstream.gets(), 2, "honor {honor}: 2 attempts, not 2 × 3");
+        let outer = agent.endpoint("outer").pending_counts();
+        assert_eq!(
+            (outer.retries, outer.gave_up_not_retryable),
+            (0, 1),
+            "honor {honor}: {outer:?}"
+        );
+    }
 }
 
 #[tokio::test]

@@ -1073,3 +1073,96 @@ async fn a_cancellation_token_in_the_request_cancels_the_call_during_a_pause() {
     );
     assert_eq!(seen.lock().unwrap().len(), 1);
 }
+
+/// Two endpoints for two layers stacked over one upstream: `outer` (3 attempts) above
+/// `inner` (2 attempts; or 1, with a breaker that opens on one failure, when `breaker`).
+fn stacked(breaker: bool) -> Agent {
+    let inner = if breaker {
+        "    max_attempts: 1\n    circuit_breaker: {enabled: true, failure_ratio: 0.5, min_requests: 1, open_for: 60s}\n"
+    } else {
+        "    max_attempts: 2\n"
+    };
+    agent(&format!(
+        "version: 1\ndefaults:\n  backoff: {{base: 100ms, max: 2s, multiplier: 2.0, jitter: none}}\n  budget: {{enabled: false}}\n  circuit_breaker: {{enabled: false}}\nendpoints:\n  outer:\n    max_attempts: 3\n  inner:\n{inner}"
+    ))
+}
+
+/// `outer`'s layer over `inner`'s over an upstream answering `statuses` (then 200).
+#[allow(clippy::type_complexity)]
+fn stack(
+    agent: &Agent,
+    statuses: &[u16],
+) -> (
+    impl tower::Service<
+        Request<Full<Bytes>>,
+        Response = Response<ResponseBody<ResponseBody<Empty<Bytes>>>>,
+        Error = BoxError,
+    > + Clone,
+    support::Seen,
+) {
+    let (svc, seen) = upstream::<ReplayBody<Full<Bytes>>>(statuses);
+    let client = tower::ServiceBuilder::new()
+        .layer(RetryLayer::new(agent.endpoint("outer")))
+        .layer(RetryLayer::new(agent.endpoint("inner")))
+        .service(svc);
+    (client, seen)
+}
+
+/// A layer stacked above one that gave up on an answer does not send it again (retried at
+/// one layer only): the answer comes back as the layer below marked it.
+#[tokio::test(start_paused = true)]
+async fn a_layer_stacked_above_does_not_retry_an_answer_the_one_below_gave_up_on() {
+    let agent = stacked(false);
+    let (client, seen) = stack(&agent, &[503, 503, 503, 503, 503, 503]);
+    let response = tokio::time::timeout(BOUND, client.oneshot(request("GET", false, "")))
+        .await
+        .expect("the call ends in time")
+        .unwrap();
+    assert_eq!(response.status(), 503);
+    assert_eq!(
+        response.extensions().get::<GaveUp>(),
+        Some(&GaveUp {
+            cause: Cause::GaveUp(GiveUpCause::AttemptsExhausted),
+            attempts: 2
+        }),
+        "the cause and attempts of the layer that retried"
+    );
+    assert_eq!(seen.lock().unwrap().len(), 2, "2 attempts, not 2 × 3");
+    let outer = agent.endpoint("outer").pending_counts();
+    assert_eq!(
+        (outer.attempts, outer.retries, outer.gave_up_not_retryable),
+        (1, 0, 1),
+        "{outer:?}"
+    );
+}
+
+/// Nor what the one below refused with no answer (its circuit open): an HTTP call's
+/// `RetryError` is not taken for a reset and sent again.
+#[tokio::test(start_paused = true)]
+async fn a_layer_stacked_above_does_not_retry_what_the_one_below_refused_with_no_answer() {
+    let agent = stacked(true);
+    let (client, seen) = stack(&agent, &[503]);
+    // The upstream's 503 opens the inner breaker.
+    let response = tokio::time::timeout(BOUND, client.clone().oneshot(request("GET", false, "")))
+        .await
+        .expect("the call ends in time")
+        .unwrap();
+    assert_eq!(response.status(), 503);
+    let err = tokio::time::timeout(BOUND, client.oneshot(request("GET", false, "")))
+        .await
+        .expect("the call ends in time")
+        .unwrap_err();
+    assert_refused_by_the_circuit(&*err);
+    assert_eq!(seen.lock().unwrap().len(), 1);
+    assert_eq!(
+        agent.endpoint("inner").pending_counts().circuit_open,
+        1,
+        "refused once, not once an outer attempt"
+    );
+    let outer = agent.endpoint("outer").pending_counts();
+    assert_eq!(
+        (outer.calls, outer.retries, outer.gave_up_not_retryable),
+        (2, 0, 2),
+        "{outer:?}"
+    );
+}

@@ -451,14 +451,18 @@ where
     };
     let gave_up = move |e| gave_up(e, grpc, timeouts_are_the_channels);
     let classify = |r: &Result<Response<ResponseBody<RB>>, BoxError>| match r {
+        // An answer a `RetryLayer` below gave up on: retried at one layer only.
+        Ok(response) if crate::classify::gave_up_below(response.extensions()) => {
+            Classification::Fatal
+        }
         Ok(response) if grpc => {
             grpc_answer_classification(response.status(), grpc_status_carrier(response))
         }
         Ok(response) => response.classify(),
         Err(e) => {
-            // A status an inner service returned as its error (a `RetryLayer` below this one
-            // that gave up with no answer) is judged as the status, its pushback read: a layer
-            // stacked above does not retry what the one below refused or retried already.
+            // A status an inner service returned as its error is judged as the status, its
+            // pushback read (one a `RetryLayer` below this one returned, holding its
+            // `RetryError`, is fatal: see `Classify for tonic::Status`).
             let judged = match e.downcast_ref::<tonic::Status>() {
                 Some(status) if grpc => status.classify(),
                 _ => classify_boxed(&**e),
@@ -1060,6 +1064,11 @@ fn gave_up<RB>(
         return Err(no_answer(RetryError::NoAnswer { cause }, grpc, attempts));
     }
     match last {
+        // A layer below gave up on this answer and marked it: its cause and attempts say more
+        // than this layer's one attempt, not retried.
+        Some(Last::Response(response)) if crate::classify::gave_up_below(response.extensions()) => {
+            Ok(response)
+        }
         Some(Last::Response(mut response)) => {
             // A gRPC client sees no extension of the answer (tonic drops them), but the head
             // of a Trailers-Only answer becomes its status's metadata: why is said there too.

@@ -112,10 +112,13 @@
 //!   timeout, and so is tonic's own request timeout of a channel's `Endpoint::timeout` (the
 //!   caller's `grpc-timeout`, which tonic enforces with the same error, ends the call at the
 //!   agent's own timer instead, as `DEADLINE_EXCEEDED`); for a gRPC request, a `tonic::Status`
-//!   the inner service returns as its error (a `RetryLayer` below this one that gave up with
-//!   no answer) counts as that status, its pushback read, so a layer stacked above does not
-//!   send again what the one below refused or retried (when its policy honours hints);
+//!   the inner service returns as its error counts as that status, its pushback read;
 //!   anything else counts as a reset.
+//! - Retried at one layer only: what a `RetryLayer` stacked below this one gave up on (an
+//!   answer marked [`GaveUp`], a [`RetryError`] or a status holding one) is fatal here, not
+//!   sent again whatever this layer's policy says of hints, and returned as the layer below
+//!   marked it (its cause and attempts). Each layer counts the call: the one below its
+//!   attempts, this one a call given up `not_retryable` after one attempt.
 //!   Timeout and reset are unknown outcomes, so only idempotent or keyed requests are
 //!   retried.
 //! - The client's response body becomes a [`ResponseBody`]. An answer that failed (an HTTP
@@ -338,9 +341,9 @@ pub type BoxError = Box<dyn std::error::Error + Send + Sync + 'static>;
 /// `attempts_exhausted`, `not_retryable`, …) and `retryplane-attempts`. Such an answer (a
 /// status before any message) also carries `grpc-retry-pushback-ms: -1` in place of the
 /// upstream's (gRPC's "do not retry"): a service that hands the status on to its own caller
-/// does not invite it to retry what was retried already, and a `RetryLayer` stacked above
-/// this one retries it no more. (A status sent in trailers, after a message, keeps the
-/// upstream's.)
+/// does not invite it to retry what was retried already. (A status sent in trailers, after a
+/// message, keeps the upstream's.) A `RetryLayer` stacked above this one reads the extension
+/// and does not send the request again.
 ///
 /// ```
 /// # let status = tonic::Status::unavailable("down");
@@ -361,7 +364,9 @@ pub struct GaveUp {
 /// time left, `UNAVAILABLE` for an open circuit, `CANCELLED` for a cancelled call; reach it
 /// with `status.source()` and `downcast_ref::<RetryError>()`. The status carries the metadata
 /// of an answer the call gave up on ([`GaveUp`]): `retryplane-gave-up`, `retryplane-attempts`
-/// and, but for a cancelled call, `grpc-retry-pushback-ms: -1`.
+/// and, but for a cancelled call, `grpc-retry-pushback-ms: -1`. A `RetryLayer` stacked above
+/// this one, or an [`Endpoint::call`](crate::Endpoint::call) through it, does not send again
+/// a request that ended in this error, nor in a status that holds it.
 #[derive(Debug, thiserror::Error)]
 pub enum RetryError {
     /// The last attempt ran out of time.
