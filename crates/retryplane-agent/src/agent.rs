@@ -699,6 +699,21 @@ impl AgentBuilder {
     /// place is best replaced whole, by a rename, as Kubernetes does). Replaces
     /// [`AgentBuilder::token`] given before. The file is read to at most
     /// [`MAX_TOKEN_FILE_BYTES`](crate::MAX_TOKEN_FILE_BYTES) and never logged.
+    ///
+    /// ```no_run
+    /// # fn run() -> Result<(), retryplane_agent::AgentError> {
+    /// // A Kubernetes secret mounted as a file: a rotated secret is used from the next
+    /// // stream on, with no restart.
+    /// let agent = retryplane_agent::Agent::builder()
+    ///     .url("http://retryplane.infra:7470")
+    ///     .service("checkout")
+    ///     .token_file("/var/run/secrets/retryplane/token")
+    ///     .cache_file("/var/cache/checkout/retryplane-policies.bin")
+    ///     .connect()?;
+    /// # let _ = agent;
+    /// # Ok(())
+    /// # }
+    /// ```
     #[must_use]
     pub fn token_file(mut self, path: impl Into<PathBuf>) -> Self {
         self.token = Some(GivenToken::File(path.into()));

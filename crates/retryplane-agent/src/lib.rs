@@ -67,6 +67,25 @@
 //! called. Names are meant to be the service's upstreams, not made per request:
 //! each one in use has its own budget, breaker and counters, and the control plane keeps at
 //! most 1,000 series per service.
+//!
+//! # In a service's `Cargo.toml`
+//!
+//! The crate is not on crates.io: depend on it by path (or by git) from the retryplane
+//! repository, with the crates its API speaks in, at the versions it is built with:
+//!
+//! ```toml
+//! [dependencies]
+//! retryplane-agent = { path = "../retryplane/crates/retryplane-agent" }  # features = ["reqwest"]
+//! tokio = { version = "1.50", features = ["rt-multi-thread", "macros", "time"] }
+//! http = "1"                 # CallMeta and the layer's requests and responses
+//! tower = "0.5"              # the layer: ServiceBuilder, ServiceExt
+//! tonic = "0.14"             # gRPC: tonic::Status, a Channel under the layer
+//! ```
+//!
+//! Only what a service uses is needed: `tokio` with its timer always (see [`Agent`] above),
+//! `tower` for the layer, `tonic` (0.14, as the agent's own) for gRPC. The `reqwest` feature
+//! makes `reqwest::Response` and `reqwest::Error` [`Classify`] for [`Endpoint::call`]; the
+//! layer works over a reqwest client without it (see [`layer`], "Over a reqwest `Client`").
 
 #![forbid(unsafe_code)]
 

@@ -870,3 +870,63 @@ async fn the_budget_lets_its_reserve_of_retries_through_then_returns_the_503() {
     let c = agent.endpoint("ep").pending_counts();
     assert_eq!((c.calls, c.retries, c.gave_up_budget), (4, 2, 2), "{c:?}");
 }
+
+/// The layer over a `reqwest::Client`, through the `service_fn` adapter the layer's docs
+/// give: a 503 is retried with its body sent again, a reset GET is retried, a reset POST is
+/// not (reqwest's error judged by the hyper error below it), and a 503 given up on comes back
+/// marked.
+#[tokio::test]
+async fn the_layer_over_reqwest_through_the_documented_adapter_follows_the_policy() {
+    use retryplane_agent::layer::BoxError;
+    use tower::service_fn;
+
+    let http = reqwest::Client::new();
+    let send = service_fn(move |request: http::Request<ReplayBody<Full<Bytes>>>| {
+        let http = http.clone();
+        async move {
+            let request = reqwest::Request::try_from(request.map(reqwest::Body::wrap))?;
+            let response = http.execute(request).await?;
+            Ok::<_, BoxError>(http::Response::<reqwest::Body>::from(response))
+        }
+    });
+    let agent = agent("max_attempts: 2\nbackoff: {base: 5ms, max: 5ms, jitter: none}");
+    let client = RetryLayer::new(agent.endpoint("ep")).layer(send);
+    let call = |req| {
+        let client = client.clone();
+        async move {
+            tokio::time::timeout(WAIT, client.oneshot(req))
+                .await
+                .expect("the call ends")
+        }
+    };
+
+    let (url, up) = upstream([Step::Answer(answer(503, "", "busy"))]).await;
+    let response = call(request("PUT", &url, &[])).await.unwrap();
+    assert_eq!(response.status(), 200);
+    assert_eq!(up.requests(), 2);
+
+    let (url, up) = upstream([Step::Reset]).await;
+    let response = call(request("GET", &url, &[])).await.unwrap();
+    assert_eq!((response.status().as_u16(), up.requests()), (200, 2));
+
+    let (url, up) = upstream([Step::Reset]).await;
+    call(request("POST", &url, &[]))
+        .await
+        .expect_err("a reset POST is not retried");
+    assert_eq!(up.requests(), 1);
+
+    let busy = Step::Answer(answer(503, "", "busy"));
+    let (url, up) = upstream([busy.clone(), busy]).await;
+    let response = call(request("GET", &url, &[])).await.unwrap();
+    assert_eq!(response.status(), 503);
+    assert_eq!(
+        response
+            .extensions()
+            .get::<GaveUp>()
+            .map(|g| (g.cause, g.attempts)),
+        Some((Cause::GaveUp(GiveUpCause::AttemptsExhausted), 2))
+    );
+    let body = response.into_body().collect().await.unwrap().to_bytes();
+    assert_eq!(&body[..], b"busy");
+    assert_eq!(up.requests(), 2);
+}

@@ -173,6 +173,38 @@
 //! # }
 //! ```
 //!
+//! # Over a reqwest `Client`
+//!
+//! A `reqwest::Client` is no tower service of `http::Request`s: a `service_fn` that converts
+//! each way puts it under the layer. (reqwest's errors are judged by their source chain, as
+//! any inner service's are: its hyper or I/O error below decides, or, with the `reqwest`
+//! feature, the reqwest error itself.)
+//!
+//! ```no_run
+//! # async fn f(agent: retryplane_agent::Agent) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+//! use bytes::Bytes;
+//! use http_body_util::Full;
+//! use retryplane_agent::layer::{BoxError, ReplayBody, RetryLayer};
+//! use tower::{Layer as _, ServiceExt as _, service_fn};
+//!
+//! let http = reqwest::Client::new();
+//! let send = service_fn(move |request: http::Request<ReplayBody<Full<Bytes>>>| {
+//!     let http = http.clone();
+//!     async move {
+//!         let request = reqwest::Request::try_from(request.map(reqwest::Body::wrap))?;
+//!         let response = http.execute(request).await?;
+//!         Ok::<_, BoxError>(http::Response::<reqwest::Body>::from(response))
+//!     }
+//! });
+//! let client = RetryLayer::new(agent.endpoint("payments")).layer(send);
+//! let request = http::Request::get("http://127.0.0.1:8080/v1/prices")
+//!     .body(Full::new(Bytes::new()))?;
+//! let response = client.oneshot(request).await?;
+//! # let _ = response;
+//! # Ok(())
+//! # }
+//! ```
+//!
 //! # gRPC over a tonic `Channel`
 //!
 //! The inner service gets `http::Request<ReplayBody<B>>`; a tonic `Channel` takes
