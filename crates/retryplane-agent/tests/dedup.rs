@@ -41,6 +41,8 @@ const BREAKER: &str = "max_attempts: 1\ndeadline: 10s\nper_try_timeout: 10s\ncir
 #[derive(Clone, Copy, Debug)]
 enum Step {
     Status(u16),
+    /// 200 with this header.
+    Header(&'static str, &'static str),
     Refused,
 }
 
@@ -133,13 +135,17 @@ fn upstream(script: &[Step]) -> (impl Below, Arc<Upstream>) {
             };
             up.gate.acquire().await.unwrap().forget();
             let step = up.script.lock().unwrap().pop_front();
-            let status = match step {
+            let (status, header) = match step {
                 Some(Step::Refused) => return Err(io::ErrorKind::ConnectionRefused.into()),
-                Some(Step::Status(s)) => s,
-                None => 200,
+                Some(Step::Status(s)) => (s, None),
+                Some(Step::Header(name, value)) => (200, Some((name, value))),
+                None => (200, None),
             };
-            Ok(Response::builder()
-                .status(status)
+            let mut answer = Response::builder().status(status);
+            if let Some((name, value)) = header {
+                answer = answer.header(name, value);
+            }
+            Ok(answer
                 .header("x-call", n.to_string())
                 .body(Full::new(Bytes::from(format!("answer {n}"))))
                 .unwrap())
@@ -463,6 +469,136 @@ async fn which_headers_count_is_configurable() {
         )
         .await
     );
+}
+
+/// Headers that make an answer partial or conditional are in the key whatever the headers
+/// chosen: a 206 for another range, or a 304 with no body, is a wrong answer to a request
+/// that did not ask for it.
+#[tokio::test(start_paused = true)]
+async fn range_and_conditions_are_always_in_the_key() {
+    let by_accept = || Dedup::default().vary_only_on([http::header::ACCEPT]);
+    let plain = || req(get("http://up/file"), "");
+    assert!(
+        shared(by_accept(), plain(), plain()).await,
+        "the test can tell"
+    );
+    for (name, a, b) in [
+        ("range", "bytes=0-1", "bytes=2-3"),
+        ("if-range", "\"v1\"", "\"v2\""),
+        ("if-none-match", "\"v1\"", "\"v2\""),
+        ("if-match", "\"v1\"", "\"v2\""),
+        (
+            "if-modified-since",
+            "Sun, 06 Nov 1994 08:49:37 GMT",
+            "Mon, 07 Nov 1994 08:49:37 GMT",
+        ),
+        (
+            "if-unmodified-since",
+            "Sun, 06 Nov 1994 08:49:37 GMT",
+            "Mon, 07 Nov 1994 08:49:37 GMT",
+        ),
+    ] {
+        let with = |v: &'static str| req(get("http://up/file").header(name, v), "");
+        assert!(!shared(by_accept(), with(a), with(b)).await, "{name}");
+        assert!(!shared(by_accept(), with(a), plain()).await, "{name}");
+        let ignoring = Dedup::default().ignore_header(http::HeaderName::from_static(name));
+        assert!(!shared(ignoring, with(a), with(b)).await, "{name} ignored");
+    }
+}
+
+/// An answer that sets a cookie or is marked for one client (`Cache-Control: private` or
+/// `no-store`) is not handed to another: each follower makes its own call.
+#[tokio::test(start_paused = true)]
+async fn an_answer_for_one_client_only_is_not_shared() {
+    for (name, value) in [
+        ("set-cookie", "sid=session-0"),
+        ("cache-control", "private"),
+        ("cache-control", "max-age=60, no-store"),
+        ("cache-control", "Private=\"set-cookie\""),
+    ] {
+        let dedup = Dedup::default();
+        let (up, leader, followers) = x_led(&[Step::Header(name, value)], &dedup, POLICY, 2).await;
+        up.open(3);
+        assert_answered(join(leader).await, 0, false);
+        let mut calls: Vec<String> = Vec::new();
+        for f in followers {
+            let (status, call, _, copy) = join(f).await.unwrap();
+            assert_eq!((status, copy), (200, false), "{name}: {value}");
+            calls.push(call.unwrap());
+        }
+        calls.sort();
+        assert_eq!(calls, ["1", "2"], "{name}: {value}");
+        assert_eq!(up.seen(), 3);
+        assert_eq!(dedup.stats().own_calls, 2);
+    }
+    // Cache-Control that allows a shared cache to keep the answer: shared.
+    let dedup = Dedup::default();
+    let (up, leader, followers) = x_led(
+        &[Step::Header(
+            "cache-control",
+            "public, max-age=60, no-cache",
+        )],
+        &dedup,
+        POLICY,
+        2,
+    )
+    .await;
+    one_call_answers_all(&up, leader, followers).await;
+}
+
+/// A leader's answer given up on because the leader's deadline left no room for a retry is
+/// not a follower's: one that joined later has time left, and makes its own call.
+#[tokio::test(start_paused = true)]
+async fn an_answer_the_leaders_deadline_gave_up_on_is_not_shared() {
+    let dedup = Dedup::default();
+    let (client, up) = gated(&[Step::Status(503)], &dedup, SHORT);
+    let leader = spawn(&client, req(get("http://up/x"), ""));
+    until("the leader reaches the upstream", || up.seen() == 1).await;
+    tokio::time::sleep(Duration::from_secs(8)).await;
+    let follower = spawn(&client, req(get("http://up/x"), ""));
+    until("the follower waits", || dedup.stats().waiting == 1).await;
+    // 50 ms before the leader's deadline: its 100 ms pause does not fit.
+    tokio::time::sleep(Duration::from_millis(1950)).await;
+    up.open(1);
+    let (status, call, _, copy) = join(leader).await.unwrap();
+    assert_eq!((status, call.as_deref(), copy), (503, Some("0"), false));
+    until("the follower makes its own call", || up.seen() == 2).await;
+    up.open(1);
+    assert_answered(join(follower).await, 1, false);
+    assert_eq!(dedup.stats().own_calls, 1);
+}
+
+/// A refresh hook that fails its first run (a token service's passing error) and succeeds
+/// after.
+struct FailsOnce(std::sync::atomic::AtomicUsize);
+
+impl retryplane_agent::layer::RefreshCredentials for FailsOnce {
+    async fn refresh(&self, _parts: &mut http::request::Parts) -> Result<(), BoxError> {
+        match self.0.fetch_add(1, std::sync::atomic::Ordering::Relaxed) {
+            0 => Err("token service unavailable".into()),
+            _ => Ok(()),
+        }
+    }
+}
+
+/// A 401 whose credential refresh failed is the leader's: a follower runs its own refresh.
+#[tokio::test(start_paused = true)]
+async fn a_401_whose_refresh_failed_is_not_shared() {
+    let dedup = Dedup::default();
+    let (svc, up) = upstream(&[Step::Status(401)]);
+    let client = RetryLayer::new(agent(&policy(POLICY)).endpoint("ep"))
+        .with_auth_refresh(FailsOnce(Default::default()))
+        .with_dedup(dedup.clone())
+        .layer(svc);
+    let (leader, follower) =
+        leader_and_followers(&client, &dedup, &up, || req(get("http://up/x"), ""), 1).await;
+    up.open(2);
+    let (status, call, _, copy) = join(leader).await.unwrap();
+    assert_eq!((status, call.as_deref(), copy), (401, Some("0"), false));
+    for f in follower {
+        assert_answered(join(f).await, 1, false);
+    }
+    assert_eq!(dedup.stats().own_calls, 1);
 }
 
 #[tokio::test(start_paused = true)]

@@ -22,6 +22,13 @@ use crate::call::Reauth;
 /// Calls made through an endpoint handle have the same hook in
 /// [`Endpoint::call_with_auth_refresh`](crate::Endpoint::call_with_auth_refresh).
 ///
+/// Once per call, not once per expired credential: when a token expires under load, every
+/// call in flight that gets its 401 runs the hook, at the same time. A hook that fetches a
+/// token from a service should share one fetch among them (a `tokio::sync::Mutex` around a
+/// cached token, fetched again only when the token it holds is the one that was refused), or
+/// the token service gets one request per call in flight. A hook that panics panics its
+/// caller.
+///
 /// ```
 /// use http::header::{AUTHORIZATION, HeaderValue};
 /// use http::request::Parts;

@@ -37,7 +37,8 @@ pub const DEFAULT_SHARED_RESPONSE_LIMIT: usize = 1024 * 1024;
 /// id) only costs sharing, and [`Dedup::ignore_header`] leaves it out.
 /// [`Dedup::vary_only_on`] keys on a fixed list of headers instead. In every mode the
 /// [`CREDENTIAL_HEADERS`] (`Authorization`, `Proxy-Authorization`, `Cookie`) are part of the key,
-/// and so is the upstream host: the URI's scheme and authority and the `Host` header (a
+/// so are `Range` and the conditional headers (`If-None-Match`, `If-Modified-Since`, `If-Match`,
+/// `If-Unmodified-Since`, `If-Range`), and so is the upstream host: the URI's scheme and authority and the `Host` header (a
 /// request whose URI is a bare path, as HTTP/1 carries it, names its host there only), so two
 /// hosts never share an answer.
 /// Of the calls that choose headers, the later wins: [`Dedup::vary_only_on`] and
@@ -106,8 +107,55 @@ pub const DEFAULT_IGNORED_HEADERS: &[&str] = &[
 /// caller an answer meant for another.
 pub const CREDENTIAL_HEADERS: &[&str] = &["authorization", "cookie", "proxy-authorization"];
 
-fn is_credential(name: &HeaderName) -> bool {
-    CREDENTIAL_HEADERS.contains(&name.as_str())
+/// Request headers that make the answer partial or conditional (`Range`, `If-None-Match`, …):
+/// part of the key in every mode, as the credential headers are, since a copy of an answer to
+/// another range (a 206) or another condition (a 304 with no body) is a wrong answer.
+const CONDITION_HEADERS: &[&str] = &[
+    "if-match",
+    "if-modified-since",
+    "if-none-match",
+    "if-range",
+    "if-unmodified-since",
+    "range",
+];
+
+/// Whether `name` stays in the key whatever the headers chosen: a credential or a condition.
+fn always_keyed(name: &HeaderName) -> bool {
+    CREDENTIAL_HEADERS.contains(&name.as_str()) || CONDITION_HEADERS.contains(&name.as_str())
+}
+
+/// Why a leader's answer (its `headers` and `extensions`) is not handed to others, if it is not: one that
+/// sets a cookie or is marked for one client only (`Cache-Control: private` or `no-store`, which
+/// RFC 9111 keeps a shared cache from handing on); one its call gave up on for want of time
+/// (the leader's deadline, not the followers', ended it); one whose credential refresh failed
+/// (the followers' own refresh may not). Followers then make their own calls.
+pub(crate) fn not_shared(
+    headers: &HeaderMap,
+    extensions: &http::Extensions,
+) -> Option<&'static str> {
+    if headers.contains_key(http::header::SET_COOKIE) {
+        return Some("it sets a cookie");
+    }
+    let per_client = headers
+        .get_all(http::header::CACHE_CONTROL)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .map(|directive| directive.split('=').next().unwrap_or("").trim())
+        .any(|d| d.eq_ignore_ascii_case("private") || d.eq_ignore_ascii_case("no-store"));
+    if per_client {
+        return Some("its Cache-Control is private or no-store");
+    }
+    if extensions
+        .get::<super::GaveUp>()
+        .is_some_and(|g| g.cause == crate::Cause::GaveUp(crate::GiveUpCause::DeadlineExceeded))
+    {
+        return Some("the leader's deadline ended its call");
+    }
+    if extensions.get::<super::RefreshFailed>().is_some() {
+        return Some("the leader's credential refresh failed");
+    }
+    None
 }
 
 #[derive(Default)]
@@ -139,7 +187,8 @@ pub struct DedupStats {
     pub shared: u64,
     /// Requests that waited for a leader and then went on to a call of their own: the leader
     /// failed with an error, or its response body failed, was over the limit or was not read by its
-    /// deadline; or the request's own deadline passed while it waited, and then its call
+    /// deadline, or its answer was not one to share (meant for one client, given up on at its
+    /// deadline, a failed credential refresh); or the request's own deadline passed while it waited, and then its call
     /// gave up at once with `deadline_exceeded`, making no attempt.
     pub own_calls: u64,
     /// Requests waiting for a leader right now.
@@ -338,12 +387,12 @@ impl Dedup {
 
     /// Leaves `name` out of the key: requests that differ only in it are shared. For a header
     /// that differs on every request and never changes the answer (a request id of your own).
-    /// Never for one that carries a credential or a tenant; the [`CREDENTIAL_HEADERS`] and
-    /// `Host` stay in the key whatever this says. After [`Dedup::vary_only_on`], it removes `name` from the
+    /// Never for one that carries a credential or a tenant; the [`CREDENTIAL_HEADERS`], `Range`
+    /// and the conditional headers, and `Host` stay in the key whatever this says. After [`Dedup::vary_only_on`], it removes `name` from the
     /// listed headers.
     #[must_use]
     pub fn ignore_header(mut self, name: HeaderName) -> Self {
-        if is_credential(&name) {
+        if always_keyed(&name) {
             return self;
         }
         match &mut Arc::make_mut(&mut self.config).vary {
@@ -365,7 +414,8 @@ impl Dedup {
         self
     }
 
-    /// Keys on these headers, the [`CREDENTIAL_HEADERS`] and `Host` only (say `Accept` and
+    /// Keys on these headers, the [`CREDENTIAL_HEADERS`], `Range` and the conditional headers,
+    /// and `Host` only (say `Accept` and
     /// `X-Tenant`): requests that differ only in other headers are shared. Every other header
     /// that carries a credential or a tenant, or otherwise changes the answer, must be listed,
     /// or one caller gets a response meant for another.
@@ -376,6 +426,7 @@ impl Dedup {
             .chain(
                 CREDENTIAL_HEADERS
                     .iter()
+                    .chain(CONDITION_HEADERS)
                     .map(|n| HeaderName::from_static(n)),
             )
             .collect();

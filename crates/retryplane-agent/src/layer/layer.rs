@@ -761,6 +761,11 @@ where
             return Err(e);
         }
     };
+    if let Some(why) = super::dedup::not_shared(response.headers(), response.extensions()) {
+        debug!("response not shared: {why}");
+        leader.land(Landing::OwnCall);
+        return Ok(response);
+    }
     let (parts, body) = response.into_parts();
     match body.read_whole(limit, deadline).await {
         Ok((data, trailers)) => {

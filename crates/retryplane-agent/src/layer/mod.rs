@@ -278,8 +278,11 @@
 //!   [`Dedup::ignore_header`] leaves out a header that differs on every request and does not
 //!   change the answer; [`Dedup::vary_only_on`] keys on a fixed list instead, and
 //!   [`Dedup::vary_on_all_headers`] on every header, tracing ones included. `Authorization`,
-//!   `Proxy-Authorization` and `Cookie` ([`CREDENTIAL_HEADERS`]) are in the key in every mode,
-//!   and so is `Host`: with the URI's authority it names the upstream (a request whose URI is
+//!   `Proxy-Authorization` and `Cookie` ([`CREDENTIAL_HEADERS`]) are in the key in every mode;
+//!   so are `Range` and the conditional headers (`If-None-Match`, `If-Modified-Since`,
+//!   `If-Match`, `If-Unmodified-Since`, `If-Range`), whose answer (a 206, a 304 with no body)
+//!   is wrong for a request that did not ask for it; and so is `Host`: with the URI's
+//!   authority it names the upstream (a request whose URI is
 //!   a bare path names it there only), and two upstreams never share an answer.
 //!   The table keeps only the digest, never a header value. Request extensions are not
 //!   compared.
@@ -296,7 +299,14 @@
 //! - A leader that ends with an error (no response), or whose response body fails while it
 //!   is read, shares nothing: each follower makes its
 //!   own call (under the same budget and breaker), so it gets an error of its own with its
-//!   real type. A response the call gave up on (a 503 after the last attempt) is shared.
+//!   real type. A response the call gave up on (a 503 after the last attempt) is shared,
+//!   but not one given up on for want of time (`deadline_exceeded`: the leader's deadline,
+//!   not a follower's, left no room for a retry) nor a 401 whose credential refresh failed
+//!   ([`RefreshFailed`]).
+//! - An answer meant for one client is not shared: one that sets a cookie (`Set-Cookie`), or
+//!   whose `Cache-Control` says `private` or `no-store` (what RFC 9111 keeps a shared cache
+//!   from handing on). Each follower makes its own call, so an upstream that sets a cookie on
+//!   every answer (a load balancer's stickiness cookie) gains nothing from de-duplication.
 //! - A leader whose caller goes away (its future dropped) leaves: its followers start over,
 //!   one of them leading.
 //! - Bounds: the leader's call and the reading of its response body both end by the leader's
