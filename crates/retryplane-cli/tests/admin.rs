@@ -406,7 +406,15 @@ fn apply_get_history_diff_rollback_and_status_work_against_a_real_server() {
     );
     assert!(text.starts_with("AGENT "), "{text}");
     assert!(text.contains("agent-a  checkout"), "{text}");
+    // A control plane that started moments ago says its fleet may be incomplete.
+    let stderr = String::from_utf8_lossy(&status.get_output().stderr).into_owned();
+    assert!(
+        stderr.starts_with("retryplane: note: the control plane started ")
+            && stderr.contains("agents that ran before may be missing from these counts"),
+        "{stderr}"
+    );
     let json = server.json(&["status"]);
+    assert!(json["started_unix_ms"].as_u64().unwrap() > 0, "{json}");
     assert_eq!(json["current_version"], 3);
     assert_eq!(json["summary"]["acked"], 1);
     assert_eq!(json["summary"]["pending"], 1);

@@ -416,6 +416,23 @@ fn change_status(e: ChangeError, file_mode: bool) -> Status {
             };
             Status::failed_precondition(removes_everything_message(&names, after))
         }
+        ChangeError::RemovesInUse(used) => {
+            // As many of them as fit a status message.
+            let message = |max| {
+                format!(
+                    "the change removes {} endpoint(s) that agents called in the last 5 minutes: \
+                     {}; their calls would run on the defaults; pass --force to do it anyway",
+                    used.len(),
+                    crate::control::in_use_in_brief(&used, max)
+                )
+            };
+            let fits = (0..=5)
+                .rev()
+                .map(message)
+                .find(|m| wire_len(m) <= MAX_MESSAGE_WIRE_BYTES)
+                .unwrap_or_else(|| message(0));
+            Status::failed_precondition(fits)
+        }
         ChangeError::Conflict {
             expected,
             current,
@@ -833,6 +850,7 @@ impl AdminService for AdminApi {
             connected_agents: u32::try_from(connected).unwrap_or(u32::MAX),
             known_agents: u32::try_from(known).unwrap_or(u32::MAX),
             policy_file: self.policy_file(),
+            started_unix_ms: self.control.fleet.started_unix_ms(),
         }))
     }
 

@@ -214,6 +214,117 @@ async fn removing_every_endpoint_needs_force() {
     assert_eq!((forced.version, forced.changed), (2, true));
 }
 
+/// `calls` calls to each of `endpoints` reported by an agent of `service`, now.
+fn calls_reported(control: &ControlPlane, service: &str, endpoints: &[&str], calls: u64) {
+    let report = pb::MetricsReport {
+        policy_version: 1,
+        endpoints: endpoints
+            .iter()
+            .map(|e| pb::EndpointCounters {
+                endpoint: (*e).to_owned(),
+                calls,
+                attempts: calls,
+                ..Default::default()
+            })
+            .collect(),
+        ..Default::default()
+    };
+    let aggregates = &control.aggregates;
+    aggregates.ingest(
+        &aggregates.service(service),
+        &report,
+        tokio::time::Instant::now(),
+    );
+}
+
+/// A change that removes an endpoint agents are calling (a misspelt name in an incident)
+/// leaves those calls on the defaults: refused unless forced, dry runs too, naming it with
+/// its calls and services; forced, it goes through with a warning. An endpoint no agent
+/// called is removed as before.
+#[tokio::test]
+async fn removing_an_endpoint_agents_call_needs_force() {
+    let control = Arc::new(ControlPlane::for_tests(
+        Arc::new(MemoryStore::new()),
+        Mode::Api,
+    ));
+    let api = AdminApi::new(control.clone());
+    apply(&api, apply_request(V1)).await.unwrap();
+    calls_reported(&control, "checkout", &["payments"], 30);
+    calls_reported(&control, "billing", &["payments"], 12);
+    let misspelt = "version: 1\nendpoints:\n  paymnets:\n    max_attempts: 2\n  search: {}\n";
+    for dry_run in [false, true] {
+        let status = apply(
+            &api,
+            pb::ApplyRequest {
+                dry_run,
+                ..apply_request(misspelt)
+            },
+        )
+        .await
+        .unwrap_err();
+        assert_eq!(status.code(), Code::FailedPrecondition, "{status:?}");
+        assert_eq!(
+            status.message(),
+            "the change removes 1 endpoint(s) that agents called in the last 5 minutes: \
+             payments (42 calls by billing, checkout); their calls would run on the defaults; \
+             pass --force to do it anyway",
+            "dry run {dry_run}"
+        );
+    }
+    assert_eq!(history(&api).await.len(), 1);
+    // `search` had no calls: removing it needs nothing.
+    let no_search = "version: 1\nendpoints:\n  payments:\n    max_attempts: 3\n";
+    let applied = apply(&api, apply_request(no_search)).await.unwrap();
+    assert_eq!((applied.version, applied.warnings.len()), (2, 0));
+    let forced = apply(
+        &api,
+        pb::ApplyRequest {
+            force: true,
+            ..apply_request(misspelt)
+        },
+    )
+    .await
+    .unwrap();
+    assert_eq!((forced.version, forced.changed), (3, true));
+    assert_eq!(forced.warnings.len(), 1, "{:?}", forced.warnings);
+    assert!(
+        forced.warnings[0]
+            .message
+            .contains("payments (42 calls by billing, checkout)"),
+        "{:?}",
+        forced.warnings
+    );
+}
+
+/// In file mode the file decides: a dry run of a change that removes an endpoint in use is
+/// not refused (a save of it would be published), and says so in a warning.
+#[tokio::test]
+async fn file_mode_dry_runs_warn_of_removing_an_endpoint_agents_call() {
+    let store: Arc<dyn VersionStore> = Arc::new(MemoryStore::new());
+    let seeding = AdminApi::new(Arc::new(ControlPlane::for_tests(store.clone(), Mode::Api)));
+    apply(&seeding, apply_request(V1)).await.unwrap();
+    let control = Arc::new(ControlPlane::for_tests(
+        store,
+        Mode::File(PathBuf::from("config/policies.yaml")),
+    ));
+    calls_reported(&control, "checkout", &["payments"], 1);
+    let api = AdminApi::new(control);
+    let dry_run = pb::ApplyRequest {
+        dry_run: true,
+        ..apply_request("version: 1\nendpoints:\n  search: {}\n")
+    };
+    let answer = apply(&api, dry_run).await.unwrap();
+    assert!(answer.would_change);
+    assert_eq!(answer.warnings.len(), 1, "{:?}", answer.warnings);
+    assert!(
+        answer.warnings[0]
+            .message
+            .contains("payments (1 call by checkout)"),
+        "{:?}",
+        answer.warnings
+    );
+}
+
 #[tokio::test]
 async fn a_stale_expected_version_is_aborted() {
     let api = api(Mode::Api);

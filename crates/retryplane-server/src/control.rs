@@ -20,7 +20,7 @@ use retryplane_proto::{TooLargeForAgents, convert, pb};
 use tokio::sync::{Mutex, OwnedMutexGuard};
 use tracing::{info, warn};
 
-use crate::aggregate::Aggregator;
+use crate::aggregate::{Aggregator, EndpointInUse};
 use crate::fleet::{Fleet, unix_ms};
 use crate::metrics::ServerMetrics;
 use crate::publisher::Publisher;
@@ -132,6 +132,15 @@ pub enum ChangeError {
         .0.join(", ")
     )]
     RemovesEverything(Vec<String>),
+    /// The change removes endpoints agents called in the last five minutes, whose calls would
+    /// then run on the defaults: refused unless forced, but for a policy file's save (in file
+    /// mode the file decides; the publish is warned of instead). Holds them.
+    #[error(
+        "the change removes {} endpoint(s) that agents called in the last 5 minutes: {}; their calls would run on the defaults: pass force to do it anyway",
+        .0.len(),
+        in_use_in_brief(.0, 5)
+    )]
+    RemovesInUse(Vec<EndpointInUse>),
     /// A change asked to keep every endpoint ([`ChangeRequest::keep_endpoints`]: a read of the
     /// policy file that may be half of a save) removes some; holds their names.
     #[error(
@@ -497,6 +506,7 @@ impl ControlPlane {
                 result,
                 Err(ChangeError::Invalid(_)
                     | ChangeError::RemovesEverything(_)
+                    | ChangeError::RemovesInUse(_)
                     | ChangeError::TooLarge(_)
                     | ChangeError::TooManyItems(_))
             )
@@ -535,7 +545,12 @@ impl ControlPlane {
         } = req;
         let store = self.store.clone();
         let cache = self.converted.clone();
-        let (document, current, changes, warnings, content_hash, same_content, new_doc) =
+        let aggregates = self.aggregates.clone();
+        let now = tokio::time::Instant::now();
+        // In file mode the file decides: a save (and a dry run of one) that removes endpoints
+        // in use is published with a warning, as nothing could force it.
+        let in_use_is_warned = matches!(source, Source::File) || matches!(self.mode, Mode::File(_));
+        let (document, current, (changes, used), warnings, content_hash, same_content, new_doc) =
             tokio::task::spawn_blocking(move || {
                 // What is stored is the wire form of what was checked and diffed: a loaded file
                 // is converted here, never handed in beside its policies.
@@ -579,12 +594,18 @@ impl ControlPlane {
                     .as_ref()
                     .map(|record| converted(&cache, record))
                     .transpose()?;
-                let changes = check(
+                let (changes, used) = check(
                     set.document(),
                     stored.as_ref().map(|s| &*s.document),
                     force,
                     keep_endpoints,
+                    in_use_is_warned,
+                    |names| aggregates.in_use(now, names),
                 )?;
+                let mut warnings = warnings;
+                if !used.is_empty() {
+                    warnings.push(in_use_warning(&used));
+                }
                 // A version stored with a `-0.0`, or with a list in another order, keeps the hash
                 // of what was sent: the same content sent again, the sign dropped or the list
                 // reordered, is no change either.
@@ -595,7 +616,7 @@ impl ControlPlane {
                 Ok::<_, ChangeError>((
                     document,
                     current,
-                    changes,
+                    (changes, used),
                     warnings,
                     content_hash,
                     same_content,
@@ -658,6 +679,17 @@ impl ControlPlane {
         let (record, changed) = tokio::spawn(commit.run())
             .await
             .map_err(|e| ChangeError::StoreUncertain(StoreError::Backend(Box::new(e))))??;
+        if changed && !used.is_empty() {
+            warn!(
+                version = record.meta.version,
+                source = record.meta.source.as_str(),
+                "v{} removes {} endpoint(s) that agents called in the last 5 minutes: {}; their \
+                 calls now run on the defaults",
+                record.meta.version,
+                used.len(),
+                in_use_in_brief(&used, 5)
+            );
+        }
         Ok(ChangeOutcome {
             record: Some(record),
             changed,
@@ -670,15 +702,29 @@ impl ControlPlane {
     }
 }
 
-/// What differs between the `stored` current version (converted) and the validated `new_doc`;
-/// refuses a change that removes any endpoint when `keep_endpoints`, and one that removes every
-/// endpoint unless `force`. CPU-bound: run it off the async threads.
+/// The first `max` of `used`, then how many more: a refusal's message stays short.
+pub fn in_use_in_brief(used: &[EndpointInUse], max: usize) -> String {
+    let mut shown: Vec<String> = used.iter().take(max).map(ToString::to_string).collect();
+    if used.len() > max {
+        shown.push(format!("and {} more", used.len() - max));
+    }
+    shown.join(", ")
+}
+
+/// What differs between the `stored` current version (converted) and the validated `new_doc`,
+/// and which of the endpoints it removes agents call now (`in_use` finds them among the
+/// names it is given); refuses a change that removes any endpoint when `keep_endpoints`, one
+/// that removes every endpoint unless `force`, and one that removes endpoints in use unless
+/// `force` or `in_use_is_warned` (a policy file's save). CPU-bound: run it off the async
+/// threads.
 fn check(
     new_doc: &PolicyDocument,
     stored: Option<&PolicyDocument>,
     force: bool,
     keep_endpoints: bool,
-) -> Result<Vec<Change>, ChangeError> {
+    in_use_is_warned: bool,
+    in_use: impl FnOnce(&[&str]) -> Vec<EndpointInUse>,
+) -> Result<(Vec<Change>, Vec<EndpointInUse>), ChangeError> {
     let empty = PolicyDocument::default();
     let old_doc = stored.unwrap_or(&empty);
     let changes = diff::diff(old_doc, new_doc);
@@ -710,7 +756,32 @@ fn check(
             .collect();
         return Err(ChangeError::RemovesEverything(names));
     }
-    Ok(changes)
+    let removed: Vec<&str> = old_doc
+        .endpoints
+        .iter()
+        .map(|e| e.name.value.as_str())
+        .filter(|name| !new_names.contains(name))
+        .collect();
+    let used = in_use(&removed);
+    if !used.is_empty() && !force && !in_use_is_warned {
+        return Err(ChangeError::RemovesInUse(used));
+    }
+    Ok((changes, used))
+}
+
+/// The warning a change that removes endpoints in use carries (forced, or a policy file's
+/// save): their calls now run on the defaults.
+fn in_use_warning(used: &[EndpointInUse]) -> Diagnostic {
+    Diagnostic::warning(
+        retryplane_policy::yaml::Loc::UNKNOWN,
+        "endpoints",
+        format!(
+            "the change removes {} endpoint(s) that agents called in the last 5 minutes: {}; \
+             their calls run on the defaults once it is published",
+            used.len(),
+            in_use_in_brief(used, 5)
+        ),
+    )
 }
 
 /// The parts of the control plane a publish touches.

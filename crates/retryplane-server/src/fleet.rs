@@ -348,6 +348,8 @@ pub struct Fleet {
     /// Connected agents per service and version, changed under the lock with every change of
     /// what a connected agent runs.
     running: Arc<AgentsRunning>,
+    /// When the registry was made, Unix milliseconds.
+    started_unix_ms: u64,
 }
 
 /// The highest stream number (`Hello.stream`) registered for each of the last
@@ -469,7 +471,14 @@ impl Fleet {
             forget_after: Some(FORGET_DISCONNECTED_AFTER),
             connected_gauge: Gauge::default(),
             running: Arc::default(),
+            started_unix_ms: unix_ms(),
         }
+    }
+
+    /// When this registry was made (the control plane's start), Unix milliseconds: it knows
+    /// only the agents that connected since.
+    pub fn started_unix_ms(&self) -> u64 {
+        self.started_unix_ms
     }
 
     /// Connected agents per calling service and the version their calls are reported under,

@@ -9,7 +9,8 @@
 //! hash it would get (`version` and `content_hash` stay the current version's). A file with errors is checked here and never sent: every
 //! diagnostic is printed exactly as `retryplane validate` prints it, and the command exits 1;
 //! so does a file the server refuses (its diagnostics printed the same way), a version conflict
-//! (`--expected-version`) and a change that removes every endpoint without `--force` (after a
+//! (`--expected-version`) and a change that removes every endpoint, or endpoints agents called
+//! in the last 5 minutes, without `--force` (after a
 //! dry run of one, its diff is printed above the refusal, in text output). A control
 //! plane older than this command ignores `--expected-version 0`: that is reported (`ABORTED`,
 //! exit 1), and if it stored a version all the same, the usual output of that is printed too.
@@ -40,7 +41,8 @@ pub struct Args {
     /// plane older than this command does not check 0: that is reported, exit 1).
     #[arg(long, value_name = "N")]
     expected_version: Option<u64>,
-    /// Allow a change that removes every endpoint.
+    /// Allow a change that removes every endpoint, or endpoints agents called in the last 5
+    /// minutes (their calls then run on the defaults; a misspelt endpoint name does that).
     #[arg(long)]
     force: bool,
     /// Output format.

@@ -256,7 +256,8 @@ pub struct ApplyFlags {
     pub expected_version: Option<u64>,
     /// Only report what would change.
     pub dry_run: bool,
-    /// Allow a change that removes every endpoint.
+    /// Allow a change that removes every endpoint, or endpoints agents called in the last 5
+    /// minutes.
     pub force: bool,
 }
 
@@ -283,8 +284,9 @@ pub async fn apply(
         Err(status) => status,
     };
     // A dry run shows what the change does (SPEC §3), also one that would be refused for
-    // removing every endpoint (the only refusal of a dry run with `FAILED_PRECONDITION`): the
-    // diff is asked for again, forced, and printed above the refusal, which still exits 1.
+    // removing every endpoint, or endpoints agents call (the only refusals of a dry run with
+    // `FAILED_PRECONDITION`): the diff is asked for again, forced, and printed above the
+    // refusal, which still exits 1.
     // JSON output stays empty on a refusal, as for any other.
     if flags.dry_run
         && !flags.force

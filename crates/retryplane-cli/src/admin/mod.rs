@@ -31,7 +31,8 @@
 //! answer within [`REQUEST_TIMEOUT`] is `DEADLINE_EXCEEDED: no answer from the server within
 //! 30 s`. Exit `1` when the
 //! server answered and refused: an invalid policy (its diagnostics are printed like
-//! `retryplane validate` prints them), a version conflict, a change that removes every endpoint,
+//! `retryplane validate` prints them), a version conflict, a change that removes every endpoint
+//! or endpoints in use,
 //! a missing or wrong token, an unknown version (see [`refused`]). Exit `2` for usage errors,
 //! files that cannot be read, a server that cannot be reached or timed out, and server faults.
 

@@ -7,7 +7,8 @@
 //! to v3 would change v7: +1 endpoint (search), -0, 2 modified (inventory, payments)` (`dry
 //! run: no changes: v7 already has the content of v3`). JSON: `{version, content_hash, changed, dry_run, would_change,
 //! new_content_hash, diff, warnings, rolled_back_to}` (see `change::change_json`). An unknown
-//! version, a version conflict or a rollback that removes every endpoint without `--force` is
+//! version, a version conflict or a rollback that removes every endpoint, or endpoints agents
+//! called in the last 5 minutes, without `--force` is
 //! refused (exit 1; a dry run of one prints its diff above the refusal, in text output).
 //!
 //! The dry run reads the version (`Get`) and sends its policies to `Apply` as a dry run: so it
@@ -35,7 +36,8 @@ pub struct Args {
     /// Refuse unless version N is current.
     #[arg(long, value_name = "N", value_parser = crate::flags::at_least_one)]
     expected_version: Option<u64>,
-    /// Allow a rollback that removes every endpoint.
+    /// Allow a rollback that removes every endpoint, or endpoints agents called in the last 5
+    /// minutes (their calls then run on the defaults).
     #[arg(long)]
     force: bool,
     /// Show what the rollback would change, and store nothing (works in file mode and with a

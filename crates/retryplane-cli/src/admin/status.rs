@@ -27,7 +27,10 @@
 //! (SPEC §4): `FleetStatus` names them and, only when it names any, `Stats` gives the figures:
 //! `alert: payments (checkout) retry ratio 7.2% > 5.0% over 5m`.
 //!
-//! JSON: `{current_version, summary: {acked, nacked, pending, disconnected}, agents: [...],
+//! Under a control plane started less than a minute ago, a note on stderr says that agents that
+//! ran before its start may be missing until they reconnect (its fleet records are in memory).
+//!
+//! JSON: `{current_version, started_unix_ms, started, summary: {acked, nacked, pending, disconnected}, agents: [...],
 //! alerts: [...], policy_file}`, `policy_file` being `null` in API mode (and in file mode until a
 //! read is judged), else `{path, served, read_unix_ms, read, problem}` (`problem` `null` when
 //! served), each agent with every field of the wire message (`labels` an object; times
@@ -119,6 +122,10 @@ pub fn run(settings: &Settings) -> anyhow::Result<Report> {
             }
         };
         let counts = Counts::of(response.current_version, &response.agents);
+        // On stderr (stdout's lines stay as scripts read them), in either format.
+        if let Some(note) = just_started(response.started_unix_ms, super::time::now_unix_ms()) {
+            output::note(format_args!("retryplane: {note}"));
+        }
         let stdout = match settings.format {
             Format::Json => output::json(&status_json(&response, counts, stats.as_ref()))?,
             Format::Text => status_text(&response, counts, stats.as_ref()),
@@ -211,6 +218,26 @@ fn status_text(
         out.push('\n');
     }
     out
+}
+
+/// How long after a control plane's start `status` says its fleet may be incomplete: agents
+/// that lost it reconnect within their backoff, at most 30 s by default (and its jitter).
+const RECONNECT_WINDOW_MS: u64 = 60_000;
+
+/// The note under the summary of a control plane that started (at `started`, Unix ms) less
+/// than [`RECONNECT_WINDOW_MS`] before `now`: its fleet records are in memory, so agents that
+/// ran before its start are missing until they reconnect. `None` otherwise (and from a
+/// control plane that does not say when it started).
+fn just_started(started: u64, now: u64) -> Option<String> {
+    let up = now.checked_sub(started).filter(|_| started != 0)?;
+    (up < RECONNECT_WINDOW_MS).then(|| {
+        format!(
+            "note: the control plane started {} s ago and lists agents as they connect again \
+             (within their reconnect backoff, 30 s at most by default): agents that ran before \
+             may be missing from these counts",
+            up / 1000
+        )
+    })
 }
 
 /// The widest a NACK's reason is shown in the table.
@@ -324,6 +351,8 @@ fn status_json(
         .collect();
     json!({
         "current_version": response.current_version,
+        "started_unix_ms": response.started_unix_ms,
+        "started": time(response.started_unix_ms),
         "summary": {
             "acked": counts.acked,
             "nacked": counts.nacked,
@@ -345,6 +374,21 @@ fn status_json(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_control_plane_started_less_than_a_minute_ago_says_its_fleet_may_be_incomplete() {
+        let started = 1_764_473_825_000;
+        let note = just_started(started, started + 12_345).unwrap();
+        assert!(
+            note.starts_with("note: the control plane started 12 s ago and lists agents"),
+            "{note}"
+        );
+        assert!(just_started(started, started + 59_999).is_some());
+        assert_eq!(just_started(started, started + 60_000), None);
+        // From a control plane that does not say, or a clock behind its own.
+        assert_eq!(just_started(0, started), None);
+        assert_eq!(just_started(started, started - 1), None);
+    }
 
     fn agent(id: &str, connected: bool, applied: u64, last: &str, last_v: u64) -> pb::AgentStatus {
         pb::AgentStatus {

@@ -19,6 +19,14 @@ pub fn rfc3339_utc(unix_ms: u64) -> String {
     )
 }
 
+/// The wall clock in Unix milliseconds (0 before 1970): for what is shown, never for a
+/// decision that tests must control.
+pub fn now_unix_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+}
+
 /// [`rfc3339_utc`], or `-` for 0 (never).
 pub fn rfc3339_or_dash(unix_ms: u64) -> String {
     if unix_ms == 0 {

@@ -47,7 +47,7 @@ use std::fmt::Write as _;
 use std::future::Future;
 use std::io::{self, IsTerminal as _, Write as _};
 use std::pin::Pin;
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::Duration;
 
 use anyhow::Context as _;
 use crossterm::event::{Event, EventStream, KeyCode, KeyEvent, KeyEventKind, KeyModifiers};
@@ -189,7 +189,7 @@ async fn poll(
     };
     let stats = client.stats(request).await?;
     let taken_unix_ms = match stats.now_unix_ms {
-        0 => now_unix_ms(),
+        0 => super::time::now_unix_ms(),
         ms => ms,
     };
     // A control plane that predates the counts sends the whole list and no count.
@@ -203,13 +203,6 @@ async fn poll(
         stats,
         taken_unix_ms,
     })
-}
-
-/// The wall clock in Unix milliseconds, for the header only (0 before 1970).
-fn now_unix_ms() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
 }
 
 /// A refresh that did not answer.

@@ -96,6 +96,37 @@ pub const MAX_NAME_LEN: usize = retryplane_proto::MAX_SERIES_NAME_BYTES;
 /// an agent whose service and endpoint are both `other` is counted in that series too, so two
 /// series never carry the same labels.
 pub const OTHER: &str = "other";
+
+/// An endpoint agents called in the last five minutes ([`Aggregator::in_use`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct EndpointInUse {
+    /// Its name.
+    pub endpoint: String,
+    /// Calls reported in the five minutes, over every service.
+    pub calls: u64,
+    /// The services that made them, sorted.
+    pub services: Vec<String>,
+}
+
+impl std::fmt::Display for EndpointInUse {
+    /// `payments (9006 calls by checkout, search)`; long names cut as diagnostics cut them.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let shown = |name: &str| retryplane_policy::diag::endpoint_name_shown(name).into_owned();
+        // Three services at most: the message of a refusal must stay short.
+        let mut services: Vec<String> = self.services.iter().take(3).map(|s| shown(s)).collect();
+        if self.services.len() > 3 {
+            services.push(format!("{} more", self.services.len() - 3));
+        }
+        write!(
+            f,
+            "{} ({} call{} by {})",
+            shown(&self.endpoint),
+            self.calls,
+            if self.calls == 1 { "" } else { "s" },
+            services.join(", ")
+        )
+    }
+}
 /// How long a series may go without a report before it is forgotten, unless configured.
 pub const DEFAULT_FORGET_SERIES_AFTER: Duration = Duration::from_secs(3600);
 /// The shortest time a series is kept without a report: past its longest window (15 minutes,
@@ -796,6 +827,42 @@ impl Aggregator {
             0 => false,
             at => Tick::new(self.epoch, now).coarse.saturating_sub(at - 1) < buckets,
         }
+    }
+
+    /// Those of the endpoints `names` that agents reported calls to in the five minutes
+    /// before `now`: each with its calls over every service and the services that made them,
+    /// sorted by name. (A change that removes one leaves those calls on the defaults.)
+    pub fn in_use(&self, now: Instant, names: &[&str]) -> Vec<EndpointInUse> {
+        if names.is_empty() {
+            return Vec::new();
+        }
+        let tick = Tick::new(self.epoch, now);
+        let mut found: HashMap<&str, EndpointInUse> = HashMap::new();
+        for (service, svc) in read(&self.services).iter() {
+            let endpoints = read(&svc.endpoints);
+            for &name in names {
+                let Some(series) = endpoints.get(name) else {
+                    continue;
+                };
+                let (calls, _) = series.five_minutes(&tick);
+                if calls == 0 {
+                    continue;
+                }
+                let used = found.entry(name).or_insert_with(|| EndpointInUse {
+                    endpoint: name.to_owned(),
+                    calls: 0,
+                    services: Vec::new(),
+                });
+                used.calls = used.calls.saturating_add(calls);
+                used.services.push(service.to_string());
+            }
+        }
+        let mut out: Vec<EndpointInUse> = found.into_values().collect();
+        for used in &mut out {
+            used.services.sort();
+        }
+        out.sort_by(|a, b| a.endpoint.cmp(&b.endpoint));
+        out
     }
 
     /// Endpoints whose alert fires for at least one calling service, as of `now`, sorted. The
