@@ -253,19 +253,30 @@ pub fn compact_ms(ms: u64) -> String {
 }
 
 /// The policy version a series was last reported under (`v7`), followed by the other versions
-/// with counts in the last 15 minutes, newest first (`v8,v7`); three at most, then `+N`.
-pub fn versions(series: &pb::SeriesStats) -> String {
-    if series.policy_version == 0 && series.versions.is_empty() {
-        return "-".to_owned();
-    }
+/// with counts in the row's window (`window_seconds`; the last 15 minutes, as the server keeps
+/// them, without one), newest first (`v8,v7`); three at most, then `+N`. A version replaced
+/// before the window began is not listed, so that the column answers whether anything still
+/// calls under it.
+pub fn versions(series: &pb::SeriesStats, window_seconds: Option<u32>) -> String {
+    let in_window = |v: &pb::VersionStats| {
+        window_seconds.is_none_or(|secs| {
+            v.windows.iter().any(|w| {
+                w.window_seconds == secs
+                    && w.counters.is_some_and(|c| c.calls > 0 || c.attempts > 0)
+            })
+        })
+    };
     let mut all = Vec::new();
     if series.policy_version != 0 {
         all.push(series.policy_version);
     }
     for v in &series.versions {
-        if v.policy_version != 0 && !all.contains(&v.policy_version) {
+        if v.policy_version != 0 && !all.contains(&v.policy_version) && in_window(v) {
             all.push(v.policy_version);
         }
+    }
+    if all.is_empty() {
+        return "-".to_owned();
     }
     const SHOWN: usize = 3;
     let mut out = all
@@ -655,7 +666,7 @@ pub(crate) mod tests {
     #[test]
     fn versions_show_the_newest_and_the_others_in_the_window() {
         let mut s = series("checkout", "payments", counters(1, 0, 1));
-        assert_eq!(versions(&s), "v7");
+        assert_eq!(versions(&s, Some(60)), "v7");
         s.versions = [8, 7, 6, 5, 4]
             .map(|v| pb::VersionStats {
                 policy_version: v,
@@ -663,10 +674,28 @@ pub(crate) mod tests {
             })
             .to_vec();
         s.policy_version = 8;
-        assert_eq!(versions(&s), "v8,v7,v6,+2");
+        assert_eq!(versions(&s, None), "v8,v7,v6,+2");
+        // In a window, only the versions with calls in it, and the one last reported.
+        let calls_in_1m = |calls| pb::WindowStats {
+            window_seconds: 60,
+            counters: Some(pb::Counters {
+                calls,
+                ..Default::default()
+            }),
+            ..Default::default()
+        };
+        for v in &mut s.versions {
+            v.windows = vec![calls_in_1m(if v.policy_version == 6 { 3 } else { 0 })];
+        }
+        assert_eq!(versions(&s, Some(60)), "v8,v6");
+        assert_eq!(
+            versions(&s, Some(300)),
+            "v8",
+            "no such window: no calls in it"
+        );
         s.policy_version = 0;
         s.versions.clear();
-        assert_eq!(versions(&s), "-");
+        assert_eq!(versions(&s, None), "-");
     }
 
     #[test]

@@ -8,7 +8,8 @@
 //!   — logical calls and retries per second, retries per call, the share of calls that
 //!   succeeded on the first attempt, the calls that gave up by cause (see
 //!   [`super::metrics`]), the total backoff slept in the window, the policy version the counts
-//!   were reported under (`v8,v7` during a change), and `ALERT 7.2% > 5.0%` when the
+//!   were last reported under, then the others with counts in the window (`v8,v7` during a
+//!   change; a version replaced before the window began is not listed), and `ALERT 7.2% > 5.0%` when the
 //!   endpoint's 5-minute retry ratio is past its threshold;
 //! - lifetime totals per endpoint, summed over every service:
 //!   `CALLS RETRIES RETRY% FIRST-TRY AFTER-RETRY GIVE-UPS BACKOFF`.
@@ -281,7 +282,7 @@ fn series_table(out: &mut String, rows: &[Row<'_>]) -> bool {
             } else {
                 "-".to_owned()
             },
-            metrics::versions(row.series),
+            metrics::versions(row.series, row.window.map(|w| w.window_seconds)),
             metrics::alert_text(row.series).map_or_else(String::new, |t| format!("ALERT {t}")),
         ]);
     }

@@ -545,7 +545,7 @@ pub fn render(view: &View<'_>, size: Option<(usize, usize)>) -> Vec<String> {
             retries,
             metrics::percent(row.rates.retry_ratio),
             metrics::percent(row.rates.first_try_success),
-            metrics::versions(row.series),
+            metrics::versions(row.series, row.window.map(|w| w.window_seconds)),
             metrics::give_ups(&row.counters()),
         ]);
     }
