@@ -270,7 +270,9 @@
 //!   or the request carries [`Idempotent`]`(true)`; an `Idempotent(false)` is never shared),
 //!   whose body was buffered (within the body limit) and that carry no trailers. Everything
 //!   else makes its own call.
-//! - Same request: same endpoint, method, full URI (query included), body (compared by a
+//! - Same request: same endpoint, method, full URI (query included; compared as written, byte
+//!   for byte: `http://UP/x`, `http://up:80/x` and `/%7Eu` each differ from `http://up/x` and
+//!   `/~u`, which only costs sharing), body (compared by a
 //!   SHA-256 digest) and the values of every request header except those that only identify or
 //!   trace the request ([`DEFAULT_IGNORED_HEADERS`]: W3C trace context, B3, request ids, …).
 //!   A header the layer does not know, such as `X-Api-Key` or a tenant header, is compared: a
