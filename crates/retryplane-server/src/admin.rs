@@ -437,13 +437,15 @@ fn change_status(e: ChangeError, file_mode: bool) -> Status {
             expected,
             current,
             holds_it,
+            made_by,
         } => Status::aborted(format!(
-            "version conflict: expected {}, but the current version is {current}; {}",
+            "version conflict: expected {}, but the current version is {current}{}; {}",
             if expected == 0 {
                 "an empty store (no version yet)".to_owned()
             } else {
                 format!("version {expected} to be current")
             },
+            made_by.map_or_else(String::new, |by| format!(" ({by})")),
             if holds_it {
                 format!(
                     "version {current} already holds this content (was this change stored \

@@ -375,12 +375,10 @@ async fn a_conflict_with_a_version_holding_the_same_content_says_so() {
         ..apply_request(OTHER)
     };
     let status = apply(&api, other).await.unwrap_err();
-    assert!(
-        status
-            .message()
-            .ends_with("get the current version and retry"),
-        "{}",
-        status.message()
+    assert_eq!(
+        status.message(),
+        "version conflict: expected version 1 to be current, but the current version is 2 \
+         (admin change by alice); get the current version and retry",
     );
 }
 

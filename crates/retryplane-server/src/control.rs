@@ -169,6 +169,9 @@ pub enum ChangeError {
         /// The current version holds the content of the change (a change sent again after
         /// its answer was lost, which was stored the first time).
         holds_it: bool,
+        /// Where the current version came from and who made it (`admin change by bob`),
+        /// when known: who to ask before changing it again.
+        made_by: Option<String>,
     },
     /// The store failed and the change was not stored; its message and causes are the store
     /// error's own, so a log line or a start-up error that prints the chain
@@ -193,6 +196,7 @@ impl From<StoreError> for ChangeError {
                 expected,
                 current,
                 holds_it: false,
+                made_by: None,
             },
             other => ChangeError::Store(other),
         }
@@ -588,6 +592,7 @@ impl ControlPlane {
                         holds_it: current
                             .as_ref()
                             .is_some_and(|c| c.meta.content_hash == content_hash),
+                        made_by: current.as_ref().map(|c| made_by(&c.meta)),
                     });
                 }
                 let stored = current
@@ -699,6 +704,20 @@ impl ControlPlane {
             diff: changes,
             warnings,
         })
+    }
+}
+
+/// `admin change by bob`, `rollback to v3's content by alice`, `file change`: where a version
+/// came from, and who made it.
+fn made_by(meta: &crate::store::VersionMeta) -> String {
+    let what = match meta.source {
+        Source::File => "file change".to_owned(),
+        Source::Admin => "admin change".to_owned(),
+        Source::Rollback { from } => format!("rollback to v{from}'s content"),
+    };
+    match &meta.author {
+        Some(author) => format!("{what} by {author}"),
+        None => what,
     }
 }
 

@@ -466,7 +466,8 @@ async fn a_dry_run_on_an_empty_store_with_an_expected_version_is_a_conflict_as_t
                 ChangeError::Conflict {
                     expected: 3,
                     current: 0,
-                    holds_it: false
+                    holds_it: false,
+                    made_by: None,
                 }
             ),
             "dry run {dry_run}: {refused:?}"
