@@ -307,8 +307,9 @@ pub fn alert_text(series: &pb::SeriesStats) -> Option<String> {
 
 /// The firing alerts of `response`, one line each:
 /// `payments (checkout) retry ratio 7.2% > 5.0% over 5m`, and when the last minute is back
-/// under the threshold (a fix at work, which the 5-minute ratio shows only minutes later)
-/// `…, last minute 0.8%` (or `…, no calls in the last minute`).
+/// under the threshold or under half the 5-minute ratio (a fix at work, which the 5-minute
+/// ratio shows only minutes later) `…, last minute 0.8%` (or `…, no calls in the last
+/// minute`).
 pub fn alert_lines(response: &pb::StatsResponse) -> Vec<String> {
     response
         .series
@@ -327,14 +328,15 @@ pub fn alert_lines(response: &pb::StatsResponse) -> Vec<String> {
         .collect()
 }
 
-/// `, last minute 0.8%` when the series' last minute is under its alert's threshold, `, no
-/// calls in the last minute` when it had none; `None` otherwise (or without those figures).
+/// `, last minute 0.8%` when the series' last minute is under its alert's threshold or under
+/// half its 5-minute ratio, `, no calls in the last minute` when it had none; `None`
+/// otherwise (or without those figures).
 fn last_minute_under(series: &pb::SeriesStats) -> Option<String> {
-    let threshold = series.alert?.threshold;
+    let alert = series.alert?;
     let minute = find_window(&series.windows, Window::OneMinute)?;
     match Rates::of(minute).retry_ratio {
         None => Some(", no calls in the last minute".to_owned()),
-        Some(ratio) if ratio <= threshold => {
+        Some(ratio) if ratio <= alert.threshold || ratio < alert.ratio / 2.0 => {
             Some(format!(", last minute {}", percent(Some(ratio))))
         }
         Some(_) => None,
@@ -732,7 +734,9 @@ pub(crate) mod tests {
                 ..Default::default()
             })
         };
-        // The last minute is past the threshold too: nothing more.
+        // The last minute is past the threshold, and more than half the 5 minutes' ratio:
+        // nothing more.
+        s.windows[0] = window(60, 60.0, counters(1000, 400, 600));
         assert_eq!(
             line(&s),
             ["payments (checkout) retry ratio 50.0% > 5.0% over 5m"]
@@ -741,6 +745,12 @@ pub(crate) mod tests {
         assert_eq!(
             line(&s),
             ["payments (checkout) retry ratio 50.0% > 5.0% over 5m, last minute 0.8%"]
+        );
+        // Still over the threshold, but down to less than half the 5-minute ratio.
+        s.windows[0] = window(60, 60.0, counters(1000, 240, 700));
+        assert_eq!(
+            line(&s),
+            ["payments (checkout) retry ratio 50.0% > 5.0% over 5m, last minute 24.0%"]
         );
         s.windows[0] = window(60, 60.0, counters(0, 0, 0));
         assert_eq!(
