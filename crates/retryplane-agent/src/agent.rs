@@ -433,7 +433,10 @@ impl Agent {
     /// Why the stream to the control plane last ended or could not start, while it is down;
     /// `None` while a stream is up, before the first try ends, and for an agent with no control
     /// plane. For tools that want to say why no policy came (a wrong token, the wrong
-    /// listener); the agent keeps reconnecting whatever it is.
+    /// listener); the agent keeps reconnecting whatever it is. A first try whose opening has
+    /// had no answer for 5 s (a host that takes the connection and never answers: a wrong URL,
+    /// a black-holed port) says so here (`no answer yet: …`, code `None`) while it waits for
+    /// the rest of its 30 s.
     pub fn stream_error(&self) -> Option<StreamError> {
         self.shared
             .stream_error

@@ -296,6 +296,64 @@ async fn a_snapshot_just_under_the_message_limit_is_applied_cached_and_read_back
     restarted.shutdown().await;
 }
 
+/// A URL whose peer takes the connection and never answers (a black hole) is said within
+/// seconds: `stream_error()` says the opening waits, instead of `None` for the whole 30 s.
+#[tokio::test(start_paused = true)]
+async fn a_stream_opening_with_no_answer_is_said_after_five_seconds() {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let (got, mut request_came) = tokio::sync::mpsc::channel::<()>(8);
+    tokio::spawn(async move {
+        let mut held = Vec::new();
+        while let Ok((socket, _)) = listener.accept().await {
+            let got = got.clone();
+            held.push(tokio::spawn(async move {
+                let Ok(mut conn) = h2::server::handshake(socket).await else {
+                    return;
+                };
+                let mut requests = Vec::new();
+                while let Some(Ok(request)) = conn.accept().await {
+                    let _ = got.send(()).await;
+                    requests.push(request);
+                }
+            }));
+        }
+    });
+    let agent = support::plane::builder(addr, "a")
+        .keepalive(Duration::from_secs(3600), Duration::from_secs(3600))
+        .connect()
+        .unwrap();
+    tokio::time::timeout(Duration::from_secs(60), request_came.recv())
+        .await
+        .expect("the stream's opening reaches the peer");
+    let started = Instant::now();
+    assert_eq!(agent.stream_error(), None, "nothing to say yet");
+    let error = loop {
+        if let Some(error) = agent.stream_error() {
+            break error;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(30),
+            "nothing said within the opening's time limit"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    let waited = started.elapsed();
+    assert!(
+        (Duration::from_secs(4)..Duration::from_secs(6)).contains(&waited),
+        "{waited:?}"
+    );
+    assert_eq!(error.code, None);
+    assert!(
+        error
+            .message
+            .starts_with("no answer yet: the control plane accepted the connection but has not answered the stream's opening in 5 s"),
+        "{error:?}"
+    );
+    assert!(!agent.is_connected());
+    agent.shutdown().await;
+}
+
 #[tokio::test(start_paused = true)]
 async fn a_control_plane_that_never_answers_the_streams_opening_is_left_and_tried_again() {
     use std::sync::Arc;

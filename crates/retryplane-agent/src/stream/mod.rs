@@ -76,6 +76,38 @@ pub(crate) const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 /// reconnect to at once answers late, and giving up on it early would only add to that load.
 pub(crate) const OPEN_TIMEOUT: Duration = Duration::from_secs(30);
 
+/// How long a stream's opening waits for an answer before the agent says it waits (see
+/// [`note_slow_open`]): a control plane answers within milliseconds, and a wrong URL whose
+/// host accepts connections but never answers (another service, a black-holed port) would
+/// otherwise leave nothing said for [`OPEN_TIMEOUT`].
+pub(crate) const SLOW_OPEN: Duration = Duration::from_secs(5);
+
+/// A stream's opening still unanswered after [`SLOW_OPEN`]: with no earlier reason to show,
+/// [`Agent::stream_error`](crate::Agent::stream_error) says it waits, and so does one info
+/// line (one at debug when an earlier try's reason stands: it is kept until this try ends).
+fn note_slow_open(shared: &Shared) {
+    let message = format!(
+        "no answer yet: the control plane accepted the connection but has not answered the \
+         stream's opening in {} s (it is given {} s); is the URL the agent listener of \
+         `retryplane serve`?",
+        SLOW_OPEN.as_secs(),
+        OPEN_TIMEOUT.as_secs()
+    );
+    let mut error = shared
+        .stream_error
+        .lock()
+        .unwrap_or_else(|e| e.into_inner());
+    if error.is_none() {
+        info!("{message}");
+        *error = Some(StreamError {
+            code: None,
+            message,
+        });
+    } else {
+        debug!("{message}");
+    }
+}
+
 /// How long the session reads an answer that is not gRPC for what tonic makes of it.
 const NOT_GRPC_READ: Duration = Duration::from_secs(2);
 /// Each of the close's two bounds (see [`Closing`]): the longest wait on shutdown for the
@@ -651,9 +683,20 @@ async fn session(
     )
     // The limit the control plane keeps every snapshot within (it refuses a larger change).
     .max_decoding_message_size(retryplane_proto::MAX_MESSAGE_BYTES);
-    let opened = tokio::select! {
-        () = cancel.cancelled() => return SessionEnd::Cancelled,
-        r = tokio::time::timeout(OPEN_TIMEOUT, client.connect(ReceiverStream::new(rx))) => r,
+    let open = tokio::time::timeout(OPEN_TIMEOUT, client.connect(ReceiverStream::new(rx)));
+    tokio::pin!(open);
+    let slow = tokio::time::sleep(SLOW_OPEN);
+    tokio::pin!(slow);
+    let mut waited_long = false;
+    let opened = loop {
+        tokio::select! {
+            () = cancel.cancelled() => return SessionEnd::Cancelled,
+            r = &mut open => break r,
+            () = &mut slow, if !waited_long => {
+                waited_long = true;
+                note_slow_open(shared);
+            }
+        }
     };
     let opened = match opened {
         // tonic hands back an answer that is not gRPC (a web server's 404 at the URL) as an
