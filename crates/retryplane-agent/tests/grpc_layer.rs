@@ -483,50 +483,67 @@ async fn a_call_the_open_breaker_refuses_is_unavailable_for_the_grpc_client() {
     assert_eq!(counts(&agent).circuit_open, 1);
 }
 
+/// An agent whose endpoint `outer` (3 attempts) is to be stacked above `upstream`
+/// (`upstream`'s lines), with `retry_after.honor` as given.
+fn stacked_agent(honor: bool, upstream: &str) -> Agent {
+    let yaml = format!(
+        "version: 1\ndefaults:\n  backoff: {{base: 5ms, max: 20ms, jitter: none}}\n  budget: {{enabled: false}}\n  circuit_breaker: {{enabled: false}}\n  retry_after: {{honor: {honor}}}\nendpoints:\n  outer:\n    max_attempts: 3\n  upstream:\n{upstream}"
+    );
+    Agent::from_policies_seeded(
+        retryplane_policy::load(yaml.as_bytes()).policies.unwrap(),
+        1,
+    )
+}
+
+/// An idempotent `Get` through `outer`'s layer stacked above `upstream`'s over `channel`: the
+/// status it fails with. Checks that the outer layer made one attempt and gave it up as not
+/// retryable.
+async fn get_through_stacked_layers(agent: &Agent, channel: Channel, honor: bool) -> Status {
+    let service = tower::ServiceBuilder::new()
+        .layer(RetryLayer::new(agent.endpoint("outer")))
+        .layer(RetryLayer::new(agent.endpoint("upstream")))
+        .map_request(into_tonic_request)
+        .service(channel);
+    let mut client = AdminServiceClient::new(service);
+    let mut request = Request::new(pb::GetRequest { version: 0 });
+    request.extensions_mut().insert(Idempotent(true));
+    let status = tokio::time::timeout(WAIT, client.get(request))
+        .await
+        .expect("the call ends in time")
+        .unwrap_err();
+    assert_eq!(
+        status.code(),
+        Code::Unavailable,
+        "honor {honor}: {status:?}"
+    );
+    let outer = agent.endpoint("outer").pending_counts();
+    assert_eq!(
+        (outer.retries, outer.gave_up_not_retryable),
+        (0, 1),
+        "honor {honor}: {outer:?}"
+    );
+    status
+}
+
 /// Two layers stacked over one channel: the inner one refuses the call (its breaker open),
 /// and the outer one does not send it again (retried at one layer only), whether or not its
 /// policy honours the refusal's pushback.
 #[tokio::test]
 async fn a_layer_stacked_above_does_not_retry_what_the_one_below_refused() {
     for honor in [true, false] {
-        let yaml = format!(
-            "version: 1\ndefaults:\n  backoff: {{base: 5ms, max: 20ms, jitter: none}}\n  budget: {{enabled: false}}\n  circuit_breaker: {{enabled: false}}\n  retry_after: {{honor: {honor}}}\nendpoints:\n  outer:\n    max_attempts: 3\n  upstream:\n    max_attempts: 1\n    circuit_breaker: {{enabled: true, failure_ratio: 0.5, min_requests: 1, window: 10s, open_for: 60s, half_open_probes: 1}}\n"
-        );
-        let agent = Agent::from_policies_seeded(
-            retryplane_policy::load(yaml.as_bytes()).policies.unwrap(),
-            1,
+        let agent = stacked_agent(
+            honor,
+            "    max_attempts: 1\n    circuit_breaker: {enabled: true, failure_ratio: 0.5, min_requests: 1, window: 10s, open_for: 60s, half_open_probes: 1}\n",
         );
         let (upstream, channel) = serve(&[(Code::Unavailable, None)]).await;
         // The upstream's own UNAVAILABLE opens the inner breaker.
         get(&agent, channel.clone(), Some(true)).await.unwrap_err();
-        let service = tower::ServiceBuilder::new()
-            .layer(RetryLayer::new(agent.endpoint("outer")))
-            .layer(RetryLayer::new(agent.endpoint("upstream")))
-            .map_request(into_tonic_request)
-            .service(channel);
-        let mut client = AdminServiceClient::new(service);
-        let mut request = Request::new(pb::GetRequest { version: 0 });
-        request.extensions_mut().insert(Idempotent(true));
-        let status = tokio::time::timeout(WAIT, client.get(request))
-            .await
-            .expect("the call ends in time")
-            .unwrap_err();
-        assert_eq!(
-            status.code(),
-            Code::Unavailable,
-            "honor {honor}: {status:?}"
-        );
+        get_through_stacked_layers(&agent, channel, honor).await;
         assert_eq!(upstream.gets(), 1);
         assert_eq!(
             counts(&agent).circuit_open,
             1,
             "honor {honor}: refused once, not once an outer attempt"
-        );
-        let outer = agent.endpoint("outer").pending_counts();
-        assert_eq!(
-            (outer.retries, outer.gave_up_not_retryable),
-            (0, 1),
-            "honor {honor}: {outer:?}"
         );
     }
 }
@@ -536,43 +553,15 @@ async fn a_layer_stacked_above_does_not_retry_what_the_one_below_refused() {
 #[tokio::test]
 async fn a_layer_stacked_above_does_not_retry_an_answer_the_one_below_gave_up_on() {
     for honor in [true, false] {
-        let yaml = format!(
-            "version: 1\ndefaults:\n  backoff: {{base: 5ms, max: 20ms, jitter: none}}\n  budget: {{enabled: false}}\n  circuit_breaker: {{enabled: false}}\n  retry_after: {{honor: {honor}}}\nendpoints:\n  outer:\n    max_attempts: 3\n  upstream:\n    max_attempts: 2\n"
-        );
-        let agent = Agent::from_policies_seeded(
-            retryplane_policy::load(yaml.as_bytes()).policies.unwrap(),
-            1,
-        );
+        let agent = stacked_agent(honor, "    max_attempts: 2\n");
         let (upstream, channel) = serve(&[(Code::Unavailable, None); 6]).await;
-        let service = tower::ServiceBuilder::new()
-            .layer(RetryLayer::new(agent.endpoint("outer")))
-            .layer(RetryLayer::new(agent.endpoint("upstream")))
-            .map_request(into_tonic_request)
-            .service(channel);
-        let mut client = AdminServiceClient::new(service);
-        let mut request = Request::new(pb::GetRequest { version: 0 });
-        request.extensions_mut().insert(Idempotent(true));
-        let status = tokio::time::timeout(WAIT, client.get(request))
-            .await
-            .expect("the call ends in time")
-            .unwrap_err();
-        assert_eq!(
-            status.code(),
-            Code::Unavailable,
-            "honor {honor}: {status:?}"
-        );
+        let status = get_through_stacked_layers(&agent, channel, honor).await;
         assert_eq!(
             gave_up_metadata(&status),
             (Some("-1"), Some("attempts_exhausted"), Some("2")),
             "honor {honor}: the inner layer's cause and attempts"
         );
         assert_eq!(upstream.gets(), 2, "honor {honor}: 2 attempts, not 2 × 3");
-        let outer = agent.endpoint("outer").pending_counts();
-        assert_eq!(
-            (outer.retries, outer.gave_up_not_retryable),
-            (0, 1),
-            "honor {honor}: {outer:?}"
-        );
     }
 }
 
