@@ -296,6 +296,40 @@ async fn removing_an_endpoint_agents_call_needs_force() {
     );
 }
 
+/// Past the control plane's series limits, calls are counted in the `other` series, whose
+/// endpoints are not known: a removed endpoint with no series of its own may be among them,
+/// and its removal is refused as one in use, saying so.
+#[tokio::test]
+async fn removing_an_endpoint_whose_calls_may_be_in_the_other_series_needs_force() {
+    let control = Arc::new(ControlPlane::for_tests(
+        Arc::new(MemoryStore::new()),
+        Mode::Api,
+    ));
+    let api = AdminApi::new(control.clone());
+    apply(&api, apply_request(V1)).await.unwrap();
+    // One service fills every series; `checkout`'s calls to `payments` go to `other`.
+    let names: Vec<String> = (0..control.aggregates.max_series())
+        .map(|i| format!("e{i}"))
+        .collect();
+    let names: Vec<&str> = names.iter().map(String::as_str).collect();
+    for chunk in names.chunks(10) {
+        calls_reported(&control, &format!("bulk-{}", chunk[0]), chunk, 1);
+    }
+    calls_reported(&control, "checkout", &["payments"], 9000);
+    let misspelt = "version: 1\nendpoints:\n  paymnets:\n    max_attempts: 2\n  search: {}\n";
+    let status = apply(&api, apply_request(misspelt)).await.unwrap_err();
+    assert_eq!(status.code(), Code::FailedPrecondition, "{status:?}");
+    assert!(
+        status.message().starts_with(
+            "the change removes 1 endpoint(s) that agents called in the last 5 minutes: \
+             payments (its calls may be among the 9000 counted in the \"other\" series"
+        ),
+        "{}",
+        status.message()
+    );
+    assert_eq!(history(&api).await.len(), 1);
+}
+
 /// In file mode the file decides: a dry run of a change that removes an endpoint in use is
 /// not refused (a save of it would be published), and says so in a warning.
 #[tokio::test]

@@ -106,12 +106,24 @@ pub struct EndpointInUse {
     pub calls: u64,
     /// The services that made them, sorted.
     pub services: Vec<String>,
+    /// For a name with no series of its own while the `other` series counted calls: those
+    /// calls (in the five minutes), among which this endpoint's may be; 0 otherwise.
+    pub maybe_in_other: u64,
 }
 
 impl std::fmt::Display for EndpointInUse {
     /// `payments (9006 calls by checkout, search)`; long names cut as diagnostics cut them.
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let shown = |name: &str| retryplane_policy::diag::endpoint_name_shown(name).into_owned();
+        if self.maybe_in_other > 0 {
+            return write!(
+                f,
+                "{} (its calls may be among the {} counted in the \"other\" series, past the \
+                 control plane's series limits)",
+                shown(&self.endpoint),
+                self.maybe_in_other
+            );
+        }
         // Three services at most: the message of a refusal must stay short.
         let mut services: Vec<String> = self.services.iter().take(3).map(|s| shown(s)).collect();
         if self.services.len() > 3 {
@@ -831,12 +843,18 @@ impl Aggregator {
 
     /// Those of the endpoints `names` that agents reported calls to in the five minutes
     /// before `now`: each with its calls over every service and the services that made them,
-    /// sorted by name. (A change that removes one leaves those calls on the defaults.)
+    /// sorted by name. (A change that removes one leaves those calls on the defaults.) While
+    /// the `other` series had calls in those five minutes (the series cap or a service's
+    /// share was reached, or a name was refused), the calls to a name without a series of its
+    /// own may be among them: each such name is listed too, marked
+    /// ([`EndpointInUse::maybe_in_other`]).
     pub fn in_use(&self, now: Instant, names: &[&str]) -> Vec<EndpointInUse> {
         if names.is_empty() {
             return Vec::new();
         }
         let tick = Tick::new(self.epoch, now);
+        let (in_other, _) = self.other.five_minutes(&tick);
+        let mut with_series: HashSet<&str> = HashSet::new();
         let mut found: HashMap<&str, EndpointInUse> = HashMap::new();
         for (service, svc) in read(&self.services).iter() {
             let endpoints = read(&svc.endpoints);
@@ -844,6 +862,7 @@ impl Aggregator {
                 let Some(series) = endpoints.get(name) else {
                     continue;
                 };
+                with_series.insert(name);
                 let (calls, _) = series.five_minutes(&tick);
                 if calls == 0 {
                     continue;
@@ -852,12 +871,26 @@ impl Aggregator {
                     endpoint: name.to_owned(),
                     calls: 0,
                     services: Vec::new(),
+                    maybe_in_other: 0,
                 });
                 used.calls = used.calls.saturating_add(calls);
                 used.services.push(service.to_string());
             }
         }
         let mut out: Vec<EndpointInUse> = found.into_values().collect();
+        if in_other > 0 {
+            out.extend(
+                names
+                    .iter()
+                    .filter(|name| !with_series.contains(**name))
+                    .map(|name| EndpointInUse {
+                        endpoint: (*name).to_owned(),
+                        calls: 0,
+                        services: Vec::new(),
+                        maybe_in_other: in_other,
+                    }),
+            );
+        }
         for used in &mut out {
             used.services.sort();
         }
