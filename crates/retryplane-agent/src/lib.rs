@@ -75,7 +75,7 @@
 //!
 //! ```toml
 //! [dependencies]
-//! retryplane-agent = { path = "../retryplane/crates/retryplane-agent" }  # features = ["reqwest"]
+//! retryplane-agent = { path = "../retryplane/crates/retryplane-agent" }  # features = ["reqwest"] needs reqwest 0.13
 //! tokio = { version = "1.50", features = ["rt-multi-thread", "macros", "time"] }
 //! http = "1"                 # CallMeta and the layer's requests and responses
 //! tower = "0.5"              # the layer: ServiceBuilder, ServiceExt

@@ -515,6 +515,8 @@ async fn an_answer_for_one_client_only_is_not_shared() {
         ("cache-control", "private"),
         ("cache-control", "max-age=60, no-store"),
         ("cache-control", "Private=\"set-cookie\""),
+        // Another directive's argument with a byte outside ASCII.
+        ("cache-control", "no-store, ext=\"caf\u{e9}\""),
     ] {
         let dedup = Dedup::default();
         let (up, leader, followers) = x_led(&[Step::Header(name, value)], &dedup, POLICY, 2).await;

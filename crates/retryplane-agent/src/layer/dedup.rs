@@ -136,13 +136,20 @@ pub(crate) fn not_shared(
     if headers.contains_key(http::header::SET_COOKIE) {
         return Some("it sets a cookie");
     }
+    // Read as bytes: a value with a byte outside ASCII in some other directive's argument is
+    // no `&str`, and must not hide its `private`.
     let per_client = headers
         .get_all(http::header::CACHE_CONTROL)
         .iter()
-        .filter_map(|v| v.to_str().ok())
-        .flat_map(|v| v.split(','))
-        .map(|directive| directive.split('=').next().unwrap_or("").trim())
-        .any(|d| d.eq_ignore_ascii_case("private") || d.eq_ignore_ascii_case("no-store"));
+        .flat_map(|v| v.as_bytes().split(|&b| b == b','))
+        .map(|directive| {
+            directive
+                .split(|&b| b == b'=')
+                .next()
+                .unwrap_or_default()
+                .trim_ascii()
+        })
+        .any(|d| d.eq_ignore_ascii_case(b"private") || d.eq_ignore_ascii_case(b"no-store"));
     if per_client {
         return Some("its Cache-Control is private or no-store");
     }
