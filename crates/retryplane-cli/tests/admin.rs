@@ -406,12 +406,25 @@ fn apply_get_history_diff_rollback_and_status_work_against_a_real_server() {
     );
     assert!(text.starts_with("AGENT "), "{text}");
     assert!(text.contains("agent-a  checkout"), "{text}");
-    // A control plane that started moments ago says its fleet may be incomplete.
+    // A control plane that started moments ago says its fleet may be incomplete, under the
+    // counts it speaks of (stdout and stderr in one file, as at a terminal).
     let stderr = String::from_utf8_lossy(&status.get_output().stderr).into_owned();
     assert!(
         stderr.starts_with("retryplane: note: the control plane started ")
             && stderr.contains("agents that ran before may be missing from these counts"),
         "{stderr}"
+    );
+    let (code, both) = server.retryplane_one_stream(&["status"]);
+    assert_eq!(code, Some(0));
+    let lines: Vec<&str> = both.lines().collect();
+    assert_eq!(
+        lines[lines.len() - 2],
+        "v3: 1 acked, 0 nacked, 1 pending",
+        "{both}"
+    );
+    assert!(
+        lines[lines.len() - 1].starts_with("retryplane: note: the control plane started "),
+        "{both}"
     );
     let json = server.json(&["status"]);
     assert!(json["started_unix_ms"].as_u64().unwrap() > 0, "{json}");

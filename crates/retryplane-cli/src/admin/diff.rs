@@ -174,7 +174,9 @@ pub fn run(settings: &Settings) -> anyhow::Result<Report> {
 
 /// Why `apply` would refuse the file `response` (a forced dry run) showed, when its diff
 /// removes an endpoint and a dry run of the same file, unforced, is refused for removing
-/// every endpoint (`FAILED_PRECONDITION`; the server's message says what to do in its mode).
+/// every endpoint, or endpoints agents call (`FAILED_PRECONDITION`; the server's message says
+/// what to do in its mode). (For the second, the forced dry run's warning has said what the
+/// removal does; this says that `apply` needs `--force` for it.)
 async fn refusal(
     client: &mut Client,
     file: &change::PolicyFile,

@@ -45,6 +45,7 @@
 //! other `Stats` failure does the same with a note on stderr: the fleet's state is still worth
 //! printing, and the exit code is the fleet call's.
 
+use anyhow::Context as _;
 use serde_json::{Value, json};
 
 use tonic::Code;
@@ -125,14 +126,20 @@ pub fn run(settings: &Settings) -> anyhow::Result<Report> {
             }
         };
         let counts = Counts::of(response.current_version, &response.agents);
-        // On stderr (stdout's lines stay as scripts read them), in either format.
-        if let Some(note) = just_started(response.started_unix_ms, super::time::now_unix_ms()) {
-            output::note(format_args!("retryplane: {note}"));
-        }
         let stdout = match settings.format {
             Format::Json => output::json(&status_json(&response, counts, stats.as_ref()))?,
             Format::Text => status_text(&response, counts, stats.as_ref()),
         };
+        // On stderr (stdout's lines stay as scripts read them), in either format, and after
+        // stdout: at a terminal it comes under the counts it speaks of.
+        if let Some(note) = just_started(response.started_unix_ms, super::time::now_unix_ms()) {
+            output::stdout(&stdout).context("cannot write to stdout")?;
+            output::note(format_args!("retryplane: {note}"));
+            return Ok(Report {
+                stdout: String::new(),
+                outcome: Outcome::Success,
+            });
+        }
         Ok(Report {
             stdout,
             outcome: Outcome::Success,

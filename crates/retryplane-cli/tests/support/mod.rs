@@ -110,6 +110,30 @@ impl TestServer {
         self.json(&["history"])
     }
 
+    /// [`TestServer::retryplane`] with its stdout and stderr written to one file, as at a
+    /// terminal, so that their order shows: its exit code and what the file holds.
+    pub fn retryplane_one_stream(&self, args: &[&str]) -> (Option<i32>, String) {
+        let path = self.dir.path().join("one-stream.out");
+        let file = fs::File::create(&path).unwrap();
+        let mut cmd = cli_process(args);
+        cmd.args(["--server", &self.url])
+            .current_dir(self.dir.path())
+            .stdout(file.try_clone().unwrap())
+            .stderr(file);
+        let status = self.runtime.block_on(async {
+            let mut child = tokio::process::Command::from(cmd)
+                .kill_on_drop(true)
+                .spawn()
+                .unwrap();
+            // An `Elapsed` here: the command did not end within WAIT.
+            tokio::time::timeout(WAIT, child.wait())
+                .await
+                .unwrap()
+                .unwrap()
+        });
+        (status.code(), fs::read_to_string(&path).unwrap())
+    }
+
     /// Writes `contents` to `name` in the temporary directory.
     pub fn write(&self, name: &str, contents: &str) {
         fs::write(self.dir.path().join(name), contents).unwrap();
