@@ -387,7 +387,9 @@ pub type BoxError = Box<dyn std::error::Error + Send + Sync + 'static>;
 /// upstream's (gRPC's "do not retry"): a service that hands the status on to its own caller
 /// does not invite it to retry what was retried already. (A status sent in trailers, after a
 /// message, keeps the upstream's.) A `RetryLayer` stacked above this one reads the extension
-/// and does not send the request again.
+/// and does not send the request again; an [`Endpoint::call`](crate::Endpoint::call) whose
+/// attempts go through a layer judges the answer by its status, as any answer, so give such a
+/// call `max_attempts: 1`, or the layer alone the retries.
 ///
 /// ```
 /// # let status = tonic::Status::unavailable("down");
