@@ -420,9 +420,8 @@ fn change_status(e: ChangeError, file_mode: bool) -> Status {
             // As many of them as fit a status message.
             let message = |max| {
                 format!(
-                    "the change removes {} endpoint(s) that agents called in the last 5 minutes: \
-                     {}; their calls would run on the defaults; pass --force to do it anyway",
-                    used.len(),
+                    "the change removes {}; their calls would run on the defaults; pass --force \
+                     to do it anyway",
                     crate::control::in_use_in_brief(&used, max)
                 )
             };

@@ -136,8 +136,7 @@ pub enum ChangeError {
     /// then run on the defaults: refused unless forced, but for a policy file's save (in file
     /// mode the file decides; the publish is warned of instead). Holds them.
     #[error(
-        "the change removes {} endpoint(s) that agents called in the last 5 minutes: {}; their calls would run on the defaults: pass force to do it anyway",
-        .0.len(),
+        "the change removes {}; their calls would run on the defaults: pass force to do it anyway",
         in_use_in_brief(.0, 5)
     )]
     RemovesInUse(Vec<EndpointInUse>),
@@ -688,10 +687,8 @@ impl ControlPlane {
             warn!(
                 version = record.meta.version,
                 source = record.meta.source.as_str(),
-                "v{} removes {} endpoint(s) that agents called in the last 5 minutes: {}; their \
-                 calls now run on the defaults",
+                "v{} removes {}; their calls now run on the defaults",
                 record.meta.version,
-                used.len(),
                 in_use_in_brief(&used, 5)
             );
         }
@@ -721,13 +718,24 @@ fn made_by(meta: &crate::store::VersionMeta) -> String {
     }
 }
 
-/// The first `max` of `used`, then how many more: a refusal's message stays short.
+/// `N endpoint(s) that agents called in the last 5 minutes: ` and the first `max` of `used`,
+/// then how many more (a refusal's message stays short); `called, or may have called,` when
+/// some of them are only possibly in use ([`EndpointInUse::maybe_in_other`]).
 pub fn in_use_in_brief(used: &[EndpointInUse], max: usize) -> String {
     let mut shown: Vec<String> = used.iter().take(max).map(ToString::to_string).collect();
     if used.len() > max {
         shown.push(format!("and {} more", used.len() - max));
     }
-    shown.join(", ")
+    let called = if used.iter().any(|u| u.maybe_in_other > 0) {
+        "called, or may have called,"
+    } else {
+        "called"
+    };
+    format!(
+        "{} endpoint(s) that agents {called} in the last 5 minutes: {}",
+        used.len(),
+        shown.join(", ")
+    )
 }
 
 /// What differs between the `stored` current version (converted) and the validated `new_doc`,
@@ -795,9 +803,7 @@ fn in_use_warning(used: &[EndpointInUse]) -> Diagnostic {
         retryplane_policy::yaml::Loc::UNKNOWN,
         "endpoints",
         format!(
-            "the change removes {} endpoint(s) that agents called in the last 5 minutes: {}; \
-             their calls run on the defaults once it is published",
-            used.len(),
+            "the change removes {}; their calls run on the defaults once it is published",
             in_use_in_brief(used, 5)
         ),
     )

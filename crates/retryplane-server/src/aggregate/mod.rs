@@ -106,8 +106,9 @@ pub struct EndpointInUse {
     pub calls: u64,
     /// The services that made them, sorted.
     pub services: Vec<String>,
-    /// For a name with no series of its own while the `other` series counted calls: those
-    /// calls (in the five minutes), among which this endpoint's may be; 0 otherwise.
+    /// For a name not found in use by a series of its own while the `other` series counted
+    /// calls: those calls (in the five minutes), among which this endpoint's may be; 0
+    /// otherwise.
     pub maybe_in_other: u64,
 }
 
@@ -118,8 +119,7 @@ impl std::fmt::Display for EndpointInUse {
         if self.maybe_in_other > 0 {
             return write!(
                 f,
-                "{} (its calls may be among the {} counted in the \"other\" series, past the \
-                 control plane's series limits)",
+                "{} (its calls may be among the {} counted in the \"other\" series)",
                 shown(&self.endpoint),
                 self.maybe_in_other
             );
@@ -845,8 +845,9 @@ impl Aggregator {
     /// before `now`: each with its calls over every service and the services that made them,
     /// sorted by name. (A change that removes one leaves those calls on the defaults.) While
     /// the `other` series had calls in those five minutes (the series cap or a service's
-    /// share was reached, or a name was refused), the calls to a name without a series of its
-    /// own may be among them: each such name is listed too, marked
+    /// share was reached, or a name was refused), the calls to a name not found in use by its
+    /// own series (it has none, or an idle one: another service's calls may have gone to
+    /// `other`) may be among them: each such name is listed too, marked
     /// ([`EndpointInUse::maybe_in_other`]).
     pub fn in_use(&self, now: Instant, names: &[&str]) -> Vec<EndpointInUse> {
         if names.is_empty() {
@@ -854,7 +855,6 @@ impl Aggregator {
         }
         let tick = Tick::new(self.epoch, now);
         let (in_other, _) = self.other.five_minutes(&tick);
-        let mut with_series: HashSet<&str> = HashSet::new();
         let mut found: HashMap<&str, EndpointInUse> = HashMap::new();
         for (service, svc) in read(&self.services).iter() {
             let endpoints = read(&svc.endpoints);
@@ -862,7 +862,6 @@ impl Aggregator {
                 let Some(series) = endpoints.get(name) else {
                     continue;
                 };
-                with_series.insert(name);
                 let (calls, _) = series.five_minutes(&tick);
                 if calls == 0 {
                     continue;
@@ -877,12 +876,12 @@ impl Aggregator {
                 used.services.push(service.to_string());
             }
         }
-        let mut out: Vec<EndpointInUse> = found.into_values().collect();
+        let mut out: Vec<EndpointInUse> = Vec::new();
         if in_other > 0 {
             out.extend(
                 names
                     .iter()
-                    .filter(|name| !with_series.contains(**name))
+                    .filter(|name| !found.contains_key(**name))
                     .map(|name| EndpointInUse {
                         endpoint: (*name).to_owned(),
                         calls: 0,
@@ -891,6 +890,7 @@ impl Aggregator {
                     }),
             );
         }
+        out.extend(found.into_values());
         for used in &mut out {
             used.services.sort();
         }
