@@ -60,7 +60,7 @@ pub trait Classify {
 /// A response a [`RetryLayer`](crate::layer::RetryLayer) gave up on (marked
 /// [`GaveUp`](crate::layer::GaveUp)) is judged here by its status like any other: only a
 /// `RetryLayer` stacked above reads the mark. (Read here, on every answer of every call, it
-/// cost about 10 ns of the bench's call: "2026-12-07, 15:25–15:33" in BENCHMARKS.md.)
+/// cost about 10 ns of the bench's call: "2026-12-07, 15:25–15:51" in BENCHMARKS.md.)
 impl<B> Classify for http::Response<B> {
     fn classify(&self) -> Classification {
         http_classification(self.status(), self.headers())

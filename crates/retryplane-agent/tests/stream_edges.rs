@@ -351,7 +351,9 @@ async fn a_stream_opening_with_no_answer_is_said_after_five_seconds() {
         "{error:?}"
     );
     assert!(!agent.is_connected());
+    // Nothing waits once the agent is shut down: the note goes with it.
     agent.shutdown().await;
+    assert_eq!(agent.stream_error(), None);
 }
 
 #[tokio::test(start_paused = true)]

@@ -85,7 +85,8 @@ pub(crate) const SLOW_OPEN: Duration = Duration::from_secs(5);
 /// A stream's opening still unanswered after [`SLOW_OPEN`]: with no earlier reason to show,
 /// [`Agent::stream_error`](crate::Agent::stream_error) says it waits, and so does one info
 /// line (one at debug when an earlier try's reason stands: it is kept until this try ends).
-fn note_slow_open(shared: &Shared) {
+/// Whether it set `stream_error` (a shutdown during the wait takes it back: nothing waits then).
+fn note_slow_open(shared: &Shared) -> bool {
     let message = format!(
         "no answer yet: the control plane accepted the connection but has not answered the \
          stream's opening in {} s (it is given {} s); is the URL the agent listener of \
@@ -103,8 +104,10 @@ fn note_slow_open(shared: &Shared) {
             code: None,
             message,
         });
+        true
     } else {
         debug!("{message}");
+        false
     }
 }
 
@@ -687,14 +690,19 @@ async fn session(
     tokio::pin!(open);
     let slow = tokio::time::sleep(SLOW_OPEN);
     tokio::pin!(slow);
-    let mut waited_long = false;
+    let (mut waited_long, mut noted) = (false, false);
     let opened = loop {
         tokio::select! {
-            () = cancel.cancelled() => return SessionEnd::Cancelled,
+            () = cancel.cancelled() => {
+                if noted {
+                    *shared.stream_error.lock().unwrap_or_else(|e| e.into_inner()) = None;
+                }
+                return SessionEnd::Cancelled;
+            }
             r = &mut open => break r,
             () = &mut slow, if !waited_long => {
                 waited_long = true;
-                note_slow_open(shared);
+                noted = note_slow_open(shared);
             }
         }
     };
