@@ -26,8 +26,8 @@
 //! Then one line per endpoint whose retry ratio over the last 5 minutes is past its threshold
 //! (SPEC §4): `FleetStatus` names them and, only when it names any, `Stats` gives the figures:
 //! `alert: payments (checkout) retry ratio 7.2% > 5.0% over 5m`, followed by `, last minute
-//! 0.8%` (or `, no calls in the last minute`) once the last minute is back under the threshold
-//! or under half the 5-minute ratio:
+//! 0.8%` once the last minute had calls and is back under the threshold or under half the
+//! 5-minute ratio:
 //! a fix at work shows there minutes before the 5-minute ratio falls.
 //!
 //! Under a control plane started less than a minute ago, a note on stderr says that agents that
