@@ -184,6 +184,23 @@ async fn get_within(
         .layer(RetryLayer::new(agent.endpoint("upstream")))
         .map_request(into_tonic_request)
         .service(channel);
+    get_through(service, idempotent, timeout).await
+}
+
+/// A `Get` through `service` (a stack over a channel), declared idempotent or not when
+/// `idempotent` says, with the caller's own deadline when `timeout` is given: the version it
+/// answered, within [`WAIT`].
+async fn get_through<T>(
+    service: T,
+    idempotent: Option<bool>,
+    timeout: Option<Duration>,
+) -> Result<u64, Status>
+where
+    T: tonic::client::GrpcService<tonic::body::Body>,
+    T::Error: Into<tower::BoxError>,
+    T::ResponseBody: http_body::Body<Data = bytes::Bytes> + Send + 'static,
+    <T::ResponseBody as http_body::Body>::Error: Into<tower::BoxError> + Send,
+{
     let mut client = AdminServiceClient::new(service);
     let mut request = Request::new(pb::GetRequest { version: 0 });
     if let Some(declared) = idempotent {
@@ -504,13 +521,7 @@ async fn get_through_stacked_layers(agent: &Agent, channel: Channel, honor: bool
         .layer(RetryLayer::new(agent.endpoint("upstream")))
         .map_request(into_tonic_request)
         .service(channel);
-    let mut client = AdminServiceClient::new(service);
-    let mut request = Request::new(pb::GetRequest { version: 0 });
-    request.extensions_mut().insert(Idempotent(true));
-    let status = tokio::time::timeout(WAIT, client.get(request))
-        .await
-        .expect("the call ends in time")
-        .unwrap_err();
+    let status = get_through(service, Some(true), None).await.unwrap_err();
     assert_eq!(
         status.code(),
         Code::Unavailable,
@@ -654,13 +665,7 @@ async fn a_channels_request_timeout_under_a_status_is_still_a_per_try_timeout() 
             Box::new(Status::from_error(Box::new(e)))
         })
         .service(channel);
-    let mut client = AdminServiceClient::new(service);
-    let mut request = Request::new(pb::GetRequest { version: 0 });
-    request.extensions_mut().insert(Idempotent(true));
-    let status = tokio::time::timeout(WAIT, client.get(request))
-        .await
-        .expect("the call ends in time")
-        .unwrap_err();
+    let status = get_through(service, Some(true), None).await.unwrap_err();
     assert_eq!(status.code(), Code::DeadlineExceeded, "{status:?}");
     let c = counts(&agent);
     assert_eq!((c.attempts, c.gave_up_attempts), (3, 1), "{c:?}");
@@ -682,13 +687,7 @@ async fn a_grpc_timeout_only_tonic_reads_is_the_callers_deadline_and_not_retried
         .layer(RetryLayer::new(agent.endpoint("upstream")))
         .map_request(into_tonic_request)
         .service(channel_to_a_silent_server().await);
-    let mut client = AdminServiceClient::new(service);
-    let mut request = Request::new(pb::GetRequest { version: 0 });
-    request.extensions_mut().insert(Idempotent(true));
-    let status = tokio::time::timeout(WAIT, client.get(request))
-        .await
-        .expect("the call ends in time")
-        .unwrap_err();
+    let status = get_through(service, Some(true), None).await.unwrap_err();
     assert_eq!(status.code(), Code::Cancelled, "{status:?}");
     let c = counts(&agent);
     assert_eq!((c.attempts, c.gave_up_not_retryable), (1, 1));
