@@ -33,6 +33,17 @@ pub fn stdout(text: &str) -> io::Result<()> {
     }
 }
 
+/// Writes `text` to stdout ([`stdout`]), then each of `notes` as a line on stderr: for a
+/// command whose stderr lines explain its report, so that at a terminal they come under it
+/// (`main` prints a report's stdout only after the command has returned).
+pub fn stdout_then_notes<S: fmt::Display>(text: &str, notes: &[S]) -> io::Result<()> {
+    stdout(text)?;
+    for line in notes {
+        note(format_args!("{line}"));
+    }
+    Ok(())
+}
+
 /// Prints `retryplane: error: MESSAGE` on stderr. A closed stderr is ignored: there is nowhere
 /// left to complain to.
 pub fn error(message: fmt::Arguments<'_>) {

@@ -487,10 +487,7 @@ pub fn run(settings: &Settings) -> anyhow::Result<Report> {
                 Format::Text => summary.to_text(),
                 Format::Json => summary.to_json()?,
             };
-            output::stdout(&stdout).context("cannot write to stdout")?;
-            for line in &summary.notes {
-                output::note(format_args!("{line}"));
-            }
+            output::stdout_then_notes(&stdout, &summary.notes).context("cannot write to stdout")?;
             Ok(summary.success)
         });
         if let PolicyFrom::Server(_, _, shown) = &settings.policy {
