@@ -267,6 +267,11 @@ impl<S: Clone> Inner<S> {
 
     /// Sends `request`: through the readied service the first time, through a clone readied
     /// for it afterwards.
+    ///
+    /// A later send's future (the clone and the request until it is ready) is boxed: it comes
+    /// only with a retry or a resend, and inline it made every attempt's future, and each
+    /// future holding one, larger by the service and a request (about 700 bytes), held by every
+    /// request in flight (BENCHMARKS.md, "the tower layer").
     fn send<R>(
         &mut self,
         request: R,
@@ -278,12 +283,12 @@ impl<S: Clone> Inner<S> {
         let call = if std::mem::take(&mut self.ready) {
             Ok(self.svc.call(request))
         } else {
-            Err((self.svc.clone(), request))
+            Err(Box::pin(self.svc.clone().oneshot(request)))
         };
         async move {
             match call {
                 Ok(first) => first.await,
-                Err((svc, request)) => svc.oneshot(request).await,
+                Err(later) => later.await,
             }
             .map_err(Into::into)
         }
@@ -541,18 +546,19 @@ where
                     .or_else(gave_up),
                 Some(hook) => {
                     let mut reauth = HttpReauth::new(&**hook, head, refresh_used, grpc);
-                    let result = endpoint
-                        .call_reauth(
-                            begun,
-                            meta,
-                            classify,
-                            attempt,
-                            &mut reauth,
-                            ready,
-                            ReadOn::new(),
-                        )
-                        .await
-                        .or_else(gave_up);
+                    // Boxed: held inline, this call's state (larger than the one above by the
+                    // refresh's) made every call's future larger, with a hook or not.
+                    let result = Box::pin(endpoint.call_reauth(
+                        begun,
+                        meta,
+                        classify,
+                        attempt,
+                        &mut reauth,
+                        ready,
+                        ReadOn::new(),
+                    ))
+                    .await
+                    .or_else(gave_up);
                     match (result, reauth.error) {
                         (Ok(mut response), Some(e))
                             if wants_credentials(
@@ -612,18 +618,19 @@ where
                     }
                 }
             };
-            let result = endpoint
-                .call_reauth(
-                    begun,
-                    meta,
-                    classify,
-                    attempt,
-                    NoReauth,
-                    AlwaysReady,
-                    KeepAsIs,
-                )
-                .await
-                .or_else(gave_up);
+            // Boxed: this path is rare (a body over the limit or late), and its call's state,
+            // held inline beside the buffered path's, made every call's future larger.
+            let result = Box::pin(endpoint.call_reauth(
+                begun,
+                meta,
+                classify,
+                attempt,
+                NoReauth,
+                AlwaysReady,
+                KeepAsIs,
+            ))
+            .await
+            .or_else(gave_up);
             (result, callers)
         }
     };
@@ -931,7 +938,9 @@ where
     match classification {
         Classification::Outcome(o) if read.wants(&o, response.status(), response.headers()) => {
             let until = read.read_by.min(Instant::now() + FAILED_BODY_WAIT);
-            read_failed(response, FAILED_BODY_LIMIT, until).await
+            // Boxed, as in `first_frame`: a read's state held inline made every attempt's
+            // future larger by its size, held by every request in flight, read or not.
+            Box::pin(read_failed(response, FAILED_BODY_LIMIT, until)).await
         }
         _ => response.map(ResponseBody::passthrough),
     }
@@ -956,8 +965,13 @@ where
     RB: Body,
     RB::Error: Into<BoxError>,
 {
-    // A limit of 0: the read ends at the first byte of a message.
-    read_failed(response, 0, read_by.min(Instant::now() + FIRST_FRAME_WAIT)).await
+    // A limit of 0: the read ends at the first byte of a message. Boxed: see `read_if_failed`.
+    Box::pin(read_failed(
+        response,
+        0,
+        read_by.min(Instant::now() + FIRST_FRAME_WAIT),
+    ))
+    .await
 }
 
 /// Where the status of a gRPC answer is read: its head, or the trailers that came before any
