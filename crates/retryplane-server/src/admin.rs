@@ -58,7 +58,7 @@ use crate::auth::{Credential, TokenName};
 use crate::control::{
     ChangeContent, ChangeError, ChangeOutcome, ChangeRequest, ControlPlane, Mode, check_size,
 };
-use crate::store::{Source, StoreError, VersionMeta};
+use crate::store::{Source, StoreError, VersionMeta, VersionRecord};
 use crate::turns::{self, Turns};
 
 /// Validate, Apply (dry runs too) and Rollback calls checked at once; the others wait their
@@ -722,7 +722,7 @@ impl AdminService for AdminApi {
         request: Request<pb::GetRequest>,
     ) -> Result<Response<pb::GetResponse>, Status> {
         let version = request.into_inner().version;
-        let record = self
+        let stored = self
             .control
             .blocking(move |s| {
                 if version == 0 {
@@ -731,15 +731,34 @@ impl AdminService for AdminApi {
                     s.get(version)
                 }
             })
-            .await
-            .map_err(|e| internal(&e))?
-            .ok_or_else(|| {
-                Status::not_found(if version == 0 {
-                    "no version is stored yet".to_owned()
-                } else {
-                    format!("version {version} does not exist")
-                })
-            })?;
+            .await;
+        let record = match stored {
+            Ok(record) => record,
+            // The store failed (a file truncated or gone under the control plane): the
+            // version served is still in memory, and is often the one copy left besides the
+            // agents' caches, so it is answered from there, for the operator to save.
+            Err(e) => match self.control.publisher.current() {
+                Some(served) if version == 0 || version == served.version => {
+                    error!(
+                        error = %ErrorChain(&e),
+                        version = served.version,
+                        "the version store failed; answered Get with the version served, from memory"
+                    );
+                    Some(VersionRecord {
+                        meta: served.meta.clone(),
+                        document: (*served.document).clone(),
+                    })
+                }
+                _ => return Err(internal(&e)),
+            },
+        };
+        let record = record.ok_or_else(|| {
+            Status::not_found(if version == 0 {
+                "no version is stored yet".to_owned()
+            } else {
+                format!("version {version} does not exist")
+            })
+        })?;
         let yaml = PolicyDocument::try_from(record.document.clone())
             .map(|doc| to_yaml(&doc))
             .map_err(|e| {

@@ -1638,3 +1638,85 @@ async fn an_apply_is_not_held_up_by_a_read_only_tokens_checks() {
     assert_eq!(applied.version, 1);
     drop(held);
 }
+
+/// A store that works until it is broken, then fails every call, as a store file truncated or
+/// deleted under the control plane does.
+struct BreakableStore {
+    inner: MemoryStore,
+    broken: std::sync::atomic::AtomicBool,
+}
+
+impl BreakableStore {
+    fn check(&self) -> Result<(), crate::store::StoreError> {
+        if self.broken.load(std::sync::atomic::Ordering::SeqCst) {
+            return Err(crate::store::StoreError::Corrupt("truncated".to_owned()));
+        }
+        Ok(())
+    }
+}
+
+impl VersionStore for BreakableStore {
+    fn current(&self) -> Result<Option<crate::store::VersionRecord>, crate::store::StoreError> {
+        self.check()?;
+        self.inner.current()
+    }
+
+    fn get(
+        &self,
+        version: u64,
+    ) -> Result<Option<crate::store::VersionRecord>, crate::store::StoreError> {
+        self.check()?;
+        self.inner.get(version)
+    }
+
+    fn history(
+        &self,
+        limit: usize,
+        before: Option<u64>,
+    ) -> Result<Vec<VersionMeta>, crate::store::StoreError> {
+        self.check()?;
+        self.inner.history(limit, before)
+    }
+
+    fn publish(
+        &self,
+        new: crate::store::NewVersion,
+        expected: Option<u64>,
+    ) -> Result<crate::store::Published, crate::store::StoreError> {
+        self.check()?;
+        self.inner.publish(new, expected)
+    }
+}
+
+#[tokio::test]
+async fn a_failed_store_still_gives_the_version_served_from_memory() {
+    // f13: with the store file truncated under a running control plane, agents were still
+    // served v2, but `get` failed: the one copy left besides the agents' caches could not be
+    // saved before a restart.
+    let store = Arc::new(BreakableStore {
+        inner: MemoryStore::new(),
+        broken: std::sync::atomic::AtomicBool::new(false),
+    });
+    let api = AdminApi::new(Arc::new(ControlPlane::for_tests(store.clone(), Mode::Api)));
+    apply(&api, apply_request(V1)).await.unwrap();
+    apply(&api, apply_request(V2)).await.unwrap();
+    let stored = get(&api, 0).await.unwrap();
+    store
+        .broken
+        .store(true, std::sync::atomic::Ordering::SeqCst);
+
+    // The version served, by number or as the current one: as it was stored, meta included.
+    for version in [0, 2] {
+        let got = get(&api, version).await.unwrap();
+        assert_eq!(got, stored, "Get({version}) from memory");
+        let info = got.info.unwrap();
+        assert_eq!((info.version, info.author.as_str()), (2, "alice"));
+    }
+    // Any other version is in the store only: its failure is said as before.
+    let status = get(&api, 1).await.unwrap_err();
+    assert_eq!(status.code(), Code::Internal);
+    assert_eq!(
+        status.message(),
+        "the version store failed; see the control plane's log"
+    );
+}

@@ -14,7 +14,7 @@ use tonic::Status;
 use tracing::{error, warn};
 
 use crate::frame_body::{FrameError, encode_frame};
-use crate::store::VersionRecord;
+use crate::store::{VersionMeta, VersionRecord};
 
 /// One published version, ready to send.
 #[derive(Debug)]
@@ -27,6 +27,9 @@ pub struct Snapshot {
     pub nonce: String,
     /// The policies.
     pub document: Arc<pb::PolicyDocument>,
+    /// The version's record as it was stored (source, author, time, diff summary): kept so
+    /// that the version served can still be read out when the store cannot be (`Get`).
+    pub meta: VersionMeta,
     /// The gRPC frame of the `ServerMessage` every stream sends, built once.
     frame: Result<Bytes, FrameError>,
 }
@@ -114,6 +117,7 @@ impl Publisher {
             content_hash: record.meta.content_hash.clone(),
             nonce,
             document: Arc::new(record.document.clone()),
+            meta: record.meta.clone(),
             frame,
         });
         before_wake();
