@@ -761,7 +761,8 @@ impl AgentBuilder {
     /// cache is kept for the run.
     /// A cache file of the agent's own that cannot be used (damaged, written by a newer
     /// agent, or, with its header, holding more than a policy file can) is replaced by the
-    /// next applied snapshot. A file that cannot be read within 1 s at start (a cold network
+    /// next applied snapshot, and so is an empty file or one of zero bytes only (what a file
+    /// system that lost its writes leaves). A file that cannot be read within 1 s at start (a cold network
     /// volume) is still read: the agent starts on the fallback policy
     /// and, when the read ends, puts the cached policies in force if it still runs on the
     /// fallback policy (the control plane sent none meanwhile). With a stream open, the counts

@@ -10,7 +10,10 @@
 //! fails is tried again by the cache writer, and a write removes such files older than 10
 //! minutes (an interrupted write's).
 //!
-//! Read at start; a missing (its directory too), empty or invalid file is logged and ignored. One
+//! Read at start; a missing (its directory too), empty or invalid file is logged and ignored. A
+//! file of zero bytes only (what a file system that lost its writes leaves: no one writes such a
+//! file on purpose) is no one's, as an empty one is: ignored, and replaced by the next applied
+//! snapshot. One
 //! that cannot be read (permission denied, a loop of links, an I/O error) was not found to be ours:
 //! it is logged and left as it is, and no cache is kept for the run. The read runs on a thread of
 //! its own and a start waits at most 1 s for it. A read that takes longer (a cold network volume)
@@ -314,6 +317,8 @@ enum Found {
     Ours(String),
     /// An empty file: no one's.
     Empty,
+    /// A file of zero bytes only (a file system that lost its writes): no one's.
+    Zeros,
     /// Not a policy cache (why): never replaced.
     Foreign(String),
 }
@@ -359,6 +364,7 @@ fn check(bytes: &[u8]) -> Found {
         Ok(cached) => Found::Cached(cached),
         Err(Unusable::Ours(reason)) => Found::Ours(reason),
         Err(Unusable::Foreign(_)) if bytes.is_empty() => Found::Empty,
+        Err(Unusable::Foreign(_)) if bytes.iter().all(|&b| b == 0) => Found::Zeros,
         Err(Unusable::Foreign(reason)) => Found::Foreign(reason),
     }
 }
@@ -406,6 +412,14 @@ impl Found {
             }
             Found::Empty => {
                 info!(%file, "the policy cache is empty; ignored");
+                Ok(None)
+            }
+            Found::Zeros => {
+                warn!(
+                    %file,
+                    "the policy cache holds only zero bytes (a file system that lost its \
+                     writes?); ignored, and replaced by the next policies applied"
+                );
                 Ok(None)
             }
             Found::Foreign(reason) => {
@@ -691,6 +705,18 @@ mod tests {
             in_time(&path).map(|c| c.is_none()),
             Ok(true),
             "an empty file is no one's"
+        );
+        std::fs::write(&path, [0u8; 4096]).unwrap();
+        assert_eq!(
+            in_time(&path).map(|c| c.is_none()),
+            Ok(true),
+            "a file of zero bytes only is no one's"
+        );
+        std::fs::write(&path, [&[0u8; 4095][..], b"x"].concat()).unwrap();
+        assert_eq!(
+            in_time(&path).map(|c| c.is_none()),
+            Err(Foreign),
+            "one other byte makes it a file of someone's"
         );
         let leftovers = std::fs::read_dir(dir.path()).unwrap().count();
         assert_eq!(leftovers, 1, "no temporary file left behind");

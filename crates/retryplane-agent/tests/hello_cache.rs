@@ -151,6 +151,42 @@ async fn a_damaged_cache_file_of_the_agents_own_is_replaced_by_the_next_snapshot
     restarted.shutdown().await;
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cache_file_of_zero_bytes_only_is_replaced_by_the_next_snapshot() {
+    // f13: what a file system that lost its writes leaves (the file's length kept, its bytes
+    // zeros) was taken for another's file: left as it was and no cache kept for the run, so
+    // the next start without a control plane was on the fallback again, every time.
+    const HEADER: &[u8] = b"retryplane agent policy cache 1\n";
+    let dir = tempfile::tempdir().unwrap();
+    let cache = dir.path().join("agent.cache");
+    let zeros = vec![0u8; 6905];
+    std::fs::write(&cache, &zeros).unwrap();
+
+    let mut script = Script::start().await;
+    let agent = agent(&script, &cache);
+    assert_eq!(agent.policies().source(), Source::Fallback);
+    let (to_agent, _) = script.reconnected().await;
+    send(&to_agent, &snapshot(8, 2)).await;
+    match script.reply().await {
+        Kind::Ack(ack) => assert_eq!(ack.version, 8),
+        other => panic!("expected Ack v8, got {other:?}"),
+    }
+    support::plane::eventually("the cache file is replaced", || async {
+        std::fs::read(&cache).unwrap() != zeros
+    })
+    .await;
+    assert!(std::fs::read(&cache).unwrap().starts_with(HEADER));
+    script.shut_down(agent, to_agent).await;
+
+    let nothing = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = nothing.local_addr().unwrap();
+    drop(nothing);
+    let restarted = support::plane::agent(addr, "a", Some(&cache));
+    let p = restarted.policies();
+    assert_eq!((p.source(), p.version()), (Source::Cache, 8));
+    restarted.shutdown().await;
+}
+
 /// A cache write that never finished (the agent killed, or the host losing power, between
 /// creating its temporary file beside the cache file and renaming it over the cache) leaves
 /// that temporary file, `.agent.cache.tmp-*`, up to the size of a cache (16 MiB). No agent ever
