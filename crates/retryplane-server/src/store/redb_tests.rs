@@ -1015,3 +1015,46 @@ async fn after_a_failed_commit_the_store_reads_what_its_file_holds() {
     // The case this is about: a commit reported failed that the file holds.
     assert!(stored_anyway > 0, "no failed sync left the version stored");
 }
+
+#[test]
+fn a_start_that_finds_the_newest_commit_damaged_says_it_fell_back_to_the_one_before() {
+    // f13: a store copied while the control plane ran (or left by a crash), whose newest
+    // commit then has a damaged page, opened at the commit before it: v2, acknowledged, was
+    // gone, with no word of it, and agents that ran v2 were sent v1.
+    let running = tempfile::tempdir().unwrap();
+    let store = RedbStore::open(running.path()).unwrap();
+    let file = running.path().join("retryplane.redb");
+    assert_eq!(publish_new(&store, "a"), 1);
+    let before = std::fs::read(&file).unwrap();
+    assert_eq!(publish_new(&store, "b"), 2);
+    let mut after = std::fs::read(&file).unwrap();
+    drop(store);
+    // The same copy undamaged: at its newest commit, and nothing said.
+    let whole = tempfile::tempdir().unwrap();
+    std::fs::write(whole.path().join("retryplane.redb"), &after).unwrap();
+    {
+        let (logs, _guard) = crate::test_logs::capture("warn");
+        let opened = RedbStore::open(whole.path()).unwrap();
+        assert_eq!(opened.current().unwrap().unwrap().meta.version, 2);
+        assert!(!logs.text().contains("did not verify"), "{}", logs.text());
+    }
+    // A page (past the header) the second commit wrote.
+    let page = (1..after.len() / 4096)
+        .find(|&p| {
+            let at = p * 4096..(p + 1) * 4096;
+            before.get(at.clone()) != after.get(at)
+        })
+        .unwrap();
+    after[page * 4096 + 200..page * 4096 + 208].fill(0xa5);
+    let copy = tempfile::tempdir().unwrap();
+    std::fs::write(copy.path().join("retryplane.redb"), &after).unwrap();
+
+    let (logs, _guard) = crate::test_logs::capture("warn");
+    let reopened = RedbStore::open(copy.path()).unwrap();
+    assert_eq!(reopened.current().unwrap().unwrap().meta.version, 1);
+    let text = logs.text();
+    assert!(
+        text.contains("the store's newest commit did not verify"),
+        "{text}"
+    );
+}
