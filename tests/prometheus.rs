@@ -167,6 +167,22 @@ impl Prometheus {
         }
     }
 
+    /// Whether Prometheus takes `query` (its query API answers `success`, whatever it finds).
+    async fn accepts(&self, query: &str) -> Result<(), String> {
+        let r = self
+            .http
+            .get(format!("http://{}/api/v1/query", self.addr))
+            .query(&[("query", query)])
+            .send()
+            .await
+            .map_err(|e| e.to_string())?;
+        let body: serde_json::Value = r.json().await.map_err(|e| e.to_string())?;
+        match body["status"].as_str() {
+            Some("success") => Ok(()),
+            _ => Err(body.to_string()),
+        }
+    }
+
     /// Waits until `query` returns `want` exactly.
     async fn wait_for(&self, query: &str, want: f64) {
         let mut last = None;
@@ -341,6 +357,23 @@ async fn prometheus_reads_back_exactly_what_agents_did() {
         (r#"retryplane_agents{applied_version="1"}"#.to_owned(), 2.0),
     ] {
         prometheus.wait_for(&query, want).await;
+    }
+
+    // README's alert on failed calls, as README gives it (its lines joined), is PromQL this
+    // Prometheus takes.
+    let readme =
+        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../README.md")).unwrap();
+    let readme = readme.split_whitespace().collect::<Vec<_>>().join(" ");
+    for alert in [
+        "increase(retryplane_giveups_total[5m]) > 0 or ((retryplane_giveups_total > 0 unless \
+         retryplane_giveups_total offset 5m) and on(job, instance) up offset 5m)",
+        "increase(retryplane_circuit_open_total[5m]) > 0 or ((retryplane_circuit_open_total > 0 \
+         unless retryplane_circuit_open_total offset 5m) and on(job, instance) up offset 5m)",
+    ] {
+        assert!(readme.contains(alert), "README no longer gives `{alert}`");
+        if let Err(said) = prometheus.accepts(alert).await {
+            panic!("Prometheus refuses README's `{alert}`: {said}");
+        }
     }
 
     // A scraper that does not ask for OpenMetrics (reqwest sends `Accept: */*`) gets
