@@ -364,7 +364,13 @@ fn check(bytes: &[u8]) -> Found {
         Ok(cached) => Found::Cached(cached),
         Err(Unusable::Ours(reason)) => Found::Ours(reason),
         Err(Unusable::Foreign(_)) if bytes.is_empty() => Found::Empty,
-        Err(Unusable::Foreign(_)) if bytes.iter().all(|&b| b == 0) => Found::Zeros,
+        // Within the size of any cache the agent writes: a larger file (a sparse one, a disk
+        // image) that begins with zeros is someone else's.
+        Err(Unusable::Foreign(_))
+            if bytes.len() as u64 <= MAX_BYTES && bytes.iter().all(|&b| b == 0) =>
+        {
+            Found::Zeros
+        }
         Err(Unusable::Foreign(reason)) => Found::Foreign(reason),
     }
 }
@@ -717,6 +723,16 @@ mod tests {
             in_time(&path).map(|c| c.is_none()),
             Err(Foreign),
             "one other byte makes it a file of someone's"
+        );
+        // Zeros past the size of any cache (a sparse file, a disk image): someone's, whatever
+        // comes after what is read.
+        let sparse = std::fs::File::create(&path).unwrap();
+        sparse.set_len(MAX_BYTES + 1).unwrap();
+        drop(sparse);
+        assert_eq!(
+            in_time(&path).map(|c| c.is_none()),
+            Err(Foreign),
+            "a file of zeros larger than any cache is someone's"
         );
         let leftovers = std::fs::read_dir(dir.path()).unwrap().count();
         assert_eq!(leftovers, 1, "no temporary file left behind");

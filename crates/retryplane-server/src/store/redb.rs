@@ -284,29 +284,35 @@ fn lock_dir(_dir: &Path) -> Result<Option<std::fs::File>, StoreError> {
 ///
 /// A file whose newest commit does not verify (its pages damaged after it was written, or a
 /// crash within a commit) is opened at the commit before it: redb falls back to it, and the
-/// newest version may be gone. That is said at warn, since nothing else would: the fleet may
-/// have run the lost version (agents that did are warned of when they connect).
+/// newest version may be gone. That is said at warn once the open has succeeded, since nothing
+/// else would: the fleet may have run the lost version (agents that did are warned of when they
+/// connect). An open that fails says why itself.
 fn open_file(path: &Path) -> Result<Database, DatabaseError> {
-    let file = LogPath(path).to_string();
-    Database::builder()
+    let fell_back = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let seen = fell_back.clone();
+    let db = Database::builder()
         .set_check_integrity_on_open(true)
         .set_cache_size(CACHE_BYTES)
         .set_repair_callback(move |session| {
             // redb's check reports its progress at 0 (it starts), 0.6 and after (the
             // allocator's rebuild), and in between only when the primary commit slot fails its
-            // checksums and it falls back to the secondary one (redb 4's `do_repair`; pinned by
-            // a test).
+            // checksums, just before it tries the secondary one (redb 4's `do_repair`; pinned
+            // by a test). Whether that one verifies is known only once the open returns.
             let progress = session.progress();
             if progress > 0.0 && progress < 0.6 {
-                warn!(
-                    %file,
-                    "the store's newest commit did not verify (damaged on disk, or cut by a crash \
-                     while it was written): the store is opened at the commit before it, so the \
-                     newest version may be lost; `retryplane history` shows what is kept"
-                );
+                seen.store(true, std::sync::atomic::Ordering::Relaxed);
             }
         })
-        .open(path)
+        .open(path)?;
+    if fell_back.load(std::sync::atomic::Ordering::Relaxed) {
+        warn!(
+            file = %LogPath(path),
+            "the store's newest commit did not verify (damaged on disk, or cut by a crash while \
+             it was written): the store is opened at the commit before it, so the newest \
+             version may be lost; `retryplane history` shows what is kept"
+        );
+    }
+    Ok(db)
 }
 
 impl RedbStore {

@@ -1045,6 +1045,21 @@ fn a_start_that_finds_the_newest_commit_damaged_says_it_fell_back_to_the_one_bef
             before.get(at.clone()) != after.get(at)
         })
         .unwrap();
+    // Every page past the header damaged: no commit verifies, the start fails, and nothing
+    // says the store was opened at an older one (d58: the warning came before the fallback
+    // was tried).
+    let mut ruined = after.clone();
+    for offset in (4096..ruined.len()).step_by(4096) {
+        ruined[offset + 100..offset + 200].fill(0xa5);
+    }
+    let lost = tempfile::tempdir().unwrap();
+    std::fs::write(lost.path().join("retryplane.redb"), &ruined).unwrap();
+    {
+        let (logs, _guard) = crate::test_logs::capture("warn");
+        let err = open_err(lost.path());
+        assert!(matches!(err, StoreError::Corrupt(_)), "{err:?}");
+        assert!(!logs.text().contains("did not verify"), "{}", logs.text());
+    }
     after[page * 4096 + 200..page * 4096 + 208].fill(0xa5);
     let copy = tempfile::tempdir().unwrap();
     std::fs::write(copy.path().join("retryplane.redb"), &after).unwrap();
