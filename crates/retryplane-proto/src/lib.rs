@@ -59,6 +59,11 @@ pub const METRICS_ACK_METADATA: &str = "retryplane-metrics-ack";
 /// it sends none, and the agent keeps the interval it has.
 pub const METRICS_INTERVAL_METADATA: &str = "retryplane-metrics-interval-ms";
 
+/// Response metadata of `AdminService.Get` (value `1`) when the version store failed and the
+/// version served was answered from the control plane's memory: the store needs attention, and
+/// other versions cannot be read until it is mended.
+pub const FROM_MEMORY_METADATA: &str = "retryplane-from-memory";
+
 /// The largest `retryplane.v1` message either side decodes: 4 MiB, gRPC's usual default. An
 /// agent refuses a `ServerMessage` longer than this, so the control plane refuses a change whose
 /// snapshot message could be longer ([`check_agent_limit`]), `retryplane validate` reports such a

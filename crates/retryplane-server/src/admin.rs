@@ -732,6 +732,7 @@ impl AdminService for AdminApi {
                 }
             })
             .await;
+        let mut from_memory = false;
         let record = match stored {
             Ok(record) => record,
             // The store failed (a file truncated or gone under the control plane): the
@@ -744,6 +745,7 @@ impl AdminService for AdminApi {
                         version = served.version,
                         "the version store failed; answered Get with the version served, from memory"
                     );
+                    from_memory = true;
                     Some(VersionRecord {
                         meta: served.meta.clone(),
                         document: (*served.document).clone(),
@@ -765,11 +767,18 @@ impl AdminService for AdminApi {
                 error!(version = record.meta.version, error = %e, "a stored document does not convert");
                 Status::internal("a stored version cannot be rendered; see the control plane's log")
             })?;
-        Ok(Response::new(pb::GetResponse {
+        let mut response = Response::new(pb::GetResponse {
             info: Some(pb::VersionInfo::from(&record.meta)),
             policies: Some(record.document),
             yaml,
-        }))
+        });
+        if from_memory {
+            response.metadata_mut().insert(
+                retryplane_proto::FROM_MEMORY_METADATA,
+                tonic::metadata::MetadataValue::from_static("1"),
+            );
+        }
+        Ok(response)
     }
 
     async fn history(

@@ -1700,14 +1700,34 @@ async fn a_failed_store_still_gives_the_version_served_from_memory() {
     let api = AdminApi::new(Arc::new(ControlPlane::for_tests(store.clone(), Mode::Api)));
     apply(&api, apply_request(V1)).await.unwrap();
     apply(&api, apply_request(V2)).await.unwrap();
-    let stored = get(&api, 0).await.unwrap();
+    let answer = api
+        .get(Request::new(pb::GetRequest { version: 0 }))
+        .await
+        .unwrap();
+    assert!(
+        !answer
+            .metadata()
+            .contains_key(retryplane_proto::FROM_MEMORY_METADATA)
+    );
+    let stored = answer.into_inner();
     store
         .broken
         .store(true, std::sync::atomic::Ordering::SeqCst);
 
-    // The version served, by number or as the current one: as it was stored, meta included.
+    // The version served, by number or as the current one: as it was stored, meta included,
+    // and marked as answered from memory (the CLI says the store is failing).
     for version in [0, 2] {
-        let got = get(&api, version).await.unwrap();
+        let answer = api
+            .get(Request::new(pb::GetRequest { version }))
+            .await
+            .unwrap();
+        assert_eq!(
+            answer
+                .metadata()
+                .get(retryplane_proto::FROM_MEMORY_METADATA),
+            Some(&tonic::metadata::MetadataValue::from_static("1"))
+        );
+        let got = answer.into_inner();
         assert_eq!(got, stored, "Get({version}) from memory");
         let info = got.info.unwrap();
         assert_eq!((info.version, info.author.as_str()), (2, "alice"));

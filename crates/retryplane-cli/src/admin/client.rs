@@ -60,13 +60,6 @@ impl Client {
         }
     }
 
-    /// A call's answer: its message, or its status (see [`Client::connection_failure`]).
-    fn answer<T>(&self, answer: Result<tonic::Response<T>, Status>) -> Result<T, Status> {
-        answer
-            .map(tonic::Response::into_inner)
-            .map_err(|status| self.connection_failure(status))
-    }
-
     /// The answer of a call that only reads (it changes nothing, so sending it twice is
     /// harmless): sent once more, at once, when its connection broke before an answer. The
     /// control plane closes a connection left idle, and one it restarted is gone: the channel
@@ -79,15 +72,30 @@ impl Client {
             Request<M>,
         ) -> Result<tonic::Response<T>, Status>,
     ) -> Result<T, Status> {
+        self.read_with_metadata(message, call)
+            .await
+            .map(tonic::Response::into_inner)
+    }
+
+    /// [`Client::read`], keeping the answer's metadata; a failed call's status as
+    /// [`Client::connection_failure`] makes it.
+    async fn read_with_metadata<M: Clone, T>(
+        &mut self,
+        message: M,
+        call: impl AsyncFn(
+            &mut AdminServiceClient<Channel>,
+            Request<M>,
+        ) -> Result<tonic::Response<T>, Status>,
+    ) -> Result<tonic::Response<T>, Status> {
         let request = self.request(message.clone());
-        match call(&mut self.inner, request).await {
+        let answer = match call(&mut self.inner, request).await {
             Err(status) if broke_on_connection(&status) => {
                 let request = self.request(message);
-                let answer = call(&mut self.inner, request).await;
-                self.answer(answer)
+                call(&mut self.inner, request).await
             }
-            answer => self.answer(answer),
-        }
+            answer => answer,
+        };
+        answer.map_err(|status| self.connection_failure(status))
     }
 
     fn request<T>(&self, message: T) -> Request<T> {
@@ -138,9 +146,24 @@ impl Client {
         self.write(answer)
     }
 
-    /// `Get`.
+    /// `Get`. A version the control plane answered from memory, its store failing, is noted
+    /// on stderr: the answer is right, and the store needs attention.
     pub async fn get(&mut self, message: pb::GetRequest) -> Result<pb::GetResponse, Status> {
-        self.read(message, async |c, r| c.get(r).await).await
+        let answer = self
+            .read_with_metadata(message, async |c, r| c.get(r).await)
+            .await?;
+        if answer
+            .metadata()
+            .contains_key(retryplane_proto::FROM_MEMORY_METADATA)
+        {
+            crate::output::note(format_args!(
+                "retryplane: warning: the control plane's version store is failing (see its \
+                 log): version {} was answered from its memory, as it serves it to agents; \
+                 save it before a restart",
+                answer.get_ref().info.as_ref().map_or(0, |i| i.version)
+            ));
+        }
+        Ok(answer.into_inner())
     }
 
     /// `History`.
