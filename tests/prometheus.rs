@@ -150,16 +150,21 @@ impl Prometheus {
         prometheus
     }
 
-    /// The value of an instant query that returns one sample, if it returns exactly one.
-    async fn value(&self, query: &str) -> Option<f64> {
+    /// The answer of Prometheus' query API to the instant query `query`, as JSON.
+    async fn query(&self, query: &str) -> Result<serde_json::Value, String> {
         let r = self
             .http
             .get(format!("http://{}/api/v1/query", self.addr))
             .query(&[("query", query)])
             .send()
             .await
-            .ok()?;
-        let body: serde_json::Value = r.json().await.ok()?;
+            .map_err(|e| e.to_string())?;
+        r.json().await.map_err(|e| e.to_string())
+    }
+
+    /// The value of an instant query that returns one sample, if it returns exactly one.
+    async fn value(&self, query: &str) -> Option<f64> {
+        let body = self.query(query).await.ok()?;
         let result = body["data"]["result"].as_array()?;
         match result.as_slice() {
             [one] => one["value"][1].as_str()?.parse().ok(),
@@ -169,14 +174,7 @@ impl Prometheus {
 
     /// Whether Prometheus takes `query` (its query API answers `success`, whatever it finds).
     async fn accepts(&self, query: &str) -> Result<(), String> {
-        let r = self
-            .http
-            .get(format!("http://{}/api/v1/query", self.addr))
-            .query(&[("query", query)])
-            .send()
-            .await
-            .map_err(|e| e.to_string())?;
-        let body: serde_json::Value = r.json().await.map_err(|e| e.to_string())?;
+        let body = self.query(query).await?;
         match body["status"].as_str() {
             Some("success") => Ok(()),
             _ => Err(body.to_string()),

@@ -111,24 +111,21 @@ async fn a_file_that_is_not_a_cache_is_never_replaced() {
     assert_eq!(std::fs::read(&cache).unwrap(), yaml);
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_damaged_cache_file_of_the_agents_own_is_replaced_by_the_next_snapshot() {
+/// An agent started on a cache file holding `bytes`, which it cannot use, runs the fallback
+/// policy; the next snapshot applied (v8) replaces the file, and a restart with no control
+/// plane starts on it.
+async fn replaced_by_the_next_snapshot(bytes: &[u8]) {
     // The first line of every cache file the agent writes.
     const HEADER: &[u8] = b"retryplane agent policy cache 1\n";
     let dir = tempfile::tempdir().unwrap();
     let cache = dir.path().join("agent.cache");
-    // A cache file as the agent writes it, damaged on disk: its hash no longer matches.
-    let mut damaged = snapshot(7, 4);
-    damaged.content_hash = "0".repeat(64);
-    let bytes = [HEADER, &damaged.encode_to_vec()].concat();
-    std::fs::write(&cache, &bytes).unwrap();
+    std::fs::write(&cache, bytes).unwrap();
 
     let mut script = Script::start().await;
     let agent = agent(&script, &cache);
     assert_eq!(agent.policies().source(), Source::Fallback);
     let (to_agent, _) = script.reconnected().await;
-    let v8 = snapshot(8, 2);
-    send(&to_agent, &v8).await;
+    send(&to_agent, &snapshot(8, 2)).await;
     match script.reply().await {
         Kind::Ack(ack) => assert_eq!(ack.version, 8),
         other => panic!("expected Ack v8, got {other:?}"),
@@ -152,39 +149,20 @@ async fn a_damaged_cache_file_of_the_agents_own_is_replaced_by_the_next_snapshot
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_damaged_cache_file_of_the_agents_own_is_replaced_by_the_next_snapshot() {
+    // A cache file as the agent writes it, damaged on disk: its hash no longer matches.
+    let mut damaged = snapshot(7, 4);
+    damaged.content_hash = "0".repeat(64);
+    let header = b"retryplane agent policy cache 1\n".as_slice();
+    replaced_by_the_next_snapshot(&[header, &damaged.encode_to_vec()].concat()).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_cache_file_of_zero_bytes_only_is_replaced_by_the_next_snapshot() {
     // f13: what a file system that lost its writes leaves (the file's length kept, its bytes
     // zeros) was taken for another's file: left as it was and no cache kept for the run, so
     // the next start without a control plane was on the fallback again, every time.
-    const HEADER: &[u8] = b"retryplane agent policy cache 1\n";
-    let dir = tempfile::tempdir().unwrap();
-    let cache = dir.path().join("agent.cache");
-    let zeros = vec![0u8; 6905];
-    std::fs::write(&cache, &zeros).unwrap();
-
-    let mut script = Script::start().await;
-    let agent = agent(&script, &cache);
-    assert_eq!(agent.policies().source(), Source::Fallback);
-    let (to_agent, _) = script.reconnected().await;
-    send(&to_agent, &snapshot(8, 2)).await;
-    match script.reply().await {
-        Kind::Ack(ack) => assert_eq!(ack.version, 8),
-        other => panic!("expected Ack v8, got {other:?}"),
-    }
-    support::plane::eventually("the cache file is replaced", || async {
-        std::fs::read(&cache).unwrap() != zeros
-    })
-    .await;
-    assert!(std::fs::read(&cache).unwrap().starts_with(HEADER));
-    script.shut_down(agent, to_agent).await;
-
-    let nothing = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    let addr = nothing.local_addr().unwrap();
-    drop(nothing);
-    let restarted = support::plane::agent(addr, "a", Some(&cache));
-    let p = restarted.policies();
-    assert_eq!((p.source(), p.version()), (Source::Cache, 8));
-    restarted.shutdown().await;
+    replaced_by_the_next_snapshot(&[0u8; 6905]).await;
 }
 
 /// A cache write that never finished (the agent killed, or the host losing power, between
