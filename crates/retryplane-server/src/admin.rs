@@ -469,7 +469,8 @@ fn change_status(e: ChangeError, file_mode: bool) -> Status {
             error!(error = %ErrorChain(&e), "admin change failed in the version store, which could not be read back");
             Status::internal(format!(
                 "the version store failed ({}) and could not be read back: the change may still \
-                 have been stored: `retryplane history` shows what is",
+                 have been stored: `retryplane history` shows what is once the store reads again, \
+                 and `retryplane get` the version agents are served now",
                 ErrorChain(&e)
             ))
         }
