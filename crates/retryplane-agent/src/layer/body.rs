@@ -600,25 +600,31 @@ where
 /// failed, by that error). A body read to its end lets an HTTP/1 client put the connection
 /// back into its pool (and ends an HTTP/2 stream): the layer does this for a failed attempt's
 /// answer, which a call keeps through its pause.
-pub(crate) async fn read_failed<B>(
+///
+/// The read's state is boxed: an attempt's future holds this one, and inline it made every
+/// attempt's future, and each future holding one, larger by its size, held by every request
+/// in flight whether it reads or not (BENCHMARKS.md, "the tower layer").
+pub(crate) fn read_failed<B>(
     response: http::Response<B>,
     limit: usize,
     until: Instant,
-) -> http::Response<ResponseBody<B>>
+) -> Pin<Box<impl Future<Output = http::Response<ResponseBody<B>>>>>
 where
     B: Body,
     B::Data: Buf,
     B::Error: Into<BoxError>,
 {
-    let (parts, body) = response.into_parts();
-    let body = match read_up_to(Box::pin(body), limit, Some(until), None).await {
-        Ok(Read::Whole(data, trailers)) => ResponseBody::full(data, trailers),
-        Ok(Read::Over(prefix, rest) | Read::Late(prefix, rest) | Read::Refused(prefix, rest)) => {
-            ResponseBody::streaming(prefix, rest)
-        }
-        Err((prefix, e)) => ResponseBody::failed(prefix, e.into()),
-    };
-    http::Response::from_parts(parts, body)
+    Box::pin(async move {
+        let (parts, body) = response.into_parts();
+        let body = match read_up_to(Box::pin(body), limit, Some(until), None).await {
+            Ok(Read::Whole(data, trailers)) => ResponseBody::full(data, trailers),
+            Ok(
+                Read::Over(prefix, rest) | Read::Late(prefix, rest) | Read::Refused(prefix, rest),
+            ) => ResponseBody::streaming(prefix, rest),
+            Err((prefix, e)) => ResponseBody::failed(prefix, e.into()),
+        };
+        http::Response::from_parts(parts, body)
+    })
 }
 
 /// The most frames [`ResponseBody::poll_read_on`] takes in one poll.

@@ -938,9 +938,7 @@ where
     match classification {
         Classification::Outcome(o) if read.wants(&o, response.status(), response.headers()) => {
             let until = read.read_by.min(Instant::now() + FAILED_BODY_WAIT);
-            // Boxed, as in `first_frame`: a read's state held inline made every attempt's
-            // future larger by its size, held by every request in flight, read or not.
-            Box::pin(read_failed(response, FAILED_BODY_LIMIT, until)).await
+            read_failed(response, FAILED_BODY_LIMIT, until).await
         }
         _ => response.map(ResponseBody::passthrough),
     }
@@ -965,13 +963,8 @@ where
     RB: Body,
     RB::Error: Into<BoxError>,
 {
-    // A limit of 0: the read ends at the first byte of a message. Boxed: see `read_if_failed`.
-    Box::pin(read_failed(
-        response,
-        0,
-        read_by.min(Instant::now() + FIRST_FRAME_WAIT),
-    ))
-    .await
+    // A limit of 0: the read ends at the first byte of a message.
+    read_failed(response, 0, read_by.min(Instant::now() + FIRST_FRAME_WAIT)).await
 }
 
 /// Where the status of a gRPC answer is read: its head, or the trailers that came before any
