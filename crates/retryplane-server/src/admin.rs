@@ -86,6 +86,16 @@ impl AdminApi {
         }
     }
 
+    /// The version served, as it was stored, when `version` asks for it (0 for the current
+    /// one, or its number): what `Get` answers from memory while the store fails.
+    fn served(&self, version: u64) -> Option<VersionRecord> {
+        let served = self.control.publisher.current()?;
+        (version == 0 || version == served.version).then(|| VersionRecord {
+            meta: served.meta.clone(),
+            document: (*served.document).clone(),
+        })
+    }
+
     /// File mode: the verdict on the policy file's last judged read, as `FleetStatus` gives it.
     fn policy_file(&self) -> Option<pb::PolicyFileRead> {
         let Mode::File(path) = &self.control.mode else {
@@ -733,27 +743,22 @@ impl AdminService for AdminApi {
                 }
             })
             .await;
-        let mut from_memory = false;
-        let record = match stored {
-            Ok(record) => record,
+        let (record, from_memory) = match stored {
+            Ok(record) => (record, false),
             // The store failed (a file truncated or gone under the control plane): the
             // version served is still in memory, and is often the one copy left besides the
             // agents' caches, so it is answered from there, for the operator to save.
-            Err(e) => match self.control.publisher.current() {
-                Some(served) if version == 0 || version == served.version => {
-                    error!(
-                        error = %ErrorChain(&e),
-                        version = served.version,
-                        "the version store failed; answered Get with the version served, from memory"
-                    );
-                    from_memory = true;
-                    Some(VersionRecord {
-                        meta: served.meta.clone(),
-                        document: (*served.document).clone(),
-                    })
-                }
-                _ => return Err(internal(&e)),
-            },
+            Err(e) => {
+                let Some(served) = self.served(version) else {
+                    return Err(internal(&e));
+                };
+                error!(
+                    error = %ErrorChain(&e),
+                    version = served.meta.version,
+                    "the version store failed; answered Get with the version served, from memory"
+                );
+                (Some(served), true)
+            }
         };
         let record = record.ok_or_else(|| {
             Status::not_found(if version == 0 {

@@ -132,14 +132,14 @@ pub fn run(settings: &Settings) -> anyhow::Result<Report> {
         };
         // On stderr (stdout's lines stay as scripts read them), in either format, and after
         // stdout: at a terminal it comes under the counts it speaks of.
-        if let Some(note) = just_started(response.started_unix_ms, super::time::now_unix_ms()) {
-            output::stdout_then_notes(&stdout, &[format!("retryplane: {note}")])
-                .context("cannot write to stdout")?;
-            return Ok(Report {
-                stdout: String::new(),
-                outcome: Outcome::Success,
-            });
-        }
+        let stdout = match just_started(response.started_unix_ms, super::time::now_unix_ms()) {
+            Some(note) => {
+                output::stdout_then_notes(&stdout, &[format!("retryplane: {note}")])
+                    .context("cannot write to stdout")?;
+                String::new()
+            }
+            None => stdout,
+        };
         Ok(Report {
             stdout,
             outcome: Outcome::Success,
