@@ -1,6 +1,8 @@
 //! A tmpfs of a test's own: a small one to fill up (the tests of a full disk), or one whose
-//! inode numbers start afresh (`writers::tests::TmpfsFile`). Mounting needs root; without it
-//! [`SmallDisk::mount`] says so on stderr and the test skips itself.
+//! inode numbers start afresh (`writers::tests::TmpfsFile`); and an ext4 file system on a loop
+//! device that an error turns read-only under the files open on it ([`Ext4Disk`]). Mounting
+//! needs root; without it [`SmallDisk::mount`] and [`Ext4Disk::mount`] say so on stderr and
+//! the test skips itself.
 
 use std::fs;
 use std::io::Write as _;
@@ -63,6 +65,89 @@ impl SmallDisk {
 }
 
 impl Drop for SmallDisk {
+    fn drop(&mut self) {
+        let _ = Command::new("umount").arg("-l").arg(&self.at).status();
+    }
+}
+
+/// An ext4 file system in a file, mounted through a loop device with `errors=remount-ro`, so
+/// that [`Ext4Disk::fail`] turns it read-only with files open for writing on it (as a disk
+/// error does; `mount -o remount,ro` refuses while a file is open for writing).
+pub(crate) struct Ext4Disk {
+    at: PathBuf,
+    /// The loop device's name (`loop3`), under `/sys/fs/ext4/`.
+    device: String,
+    _image: tempfile::TempDir,
+}
+
+impl Ext4Disk {
+    /// A 16 MiB ext4 at `at`, created if missing; `None` (and why, on stderr) when it cannot
+    /// be made or mounted.
+    pub(crate) fn mount(at: &Path) -> Option<Self> {
+        let skip = |why: &str| {
+            eprintln!(
+                "skipped: cannot mount an ext4 image ({why}; needs root, mkfs.ext4, loop devices)"
+            );
+            None
+        };
+        fs::create_dir_all(at).ok()?;
+        let image_dir = tempfile::tempdir().ok()?;
+        let image = image_dir.path().join("ext4.img");
+        let made = fs::File::create(&image)
+            .and_then(|f| f.set_len(16 << 20))
+            .is_ok()
+            && Command::new("mkfs.ext4")
+                .args(["-q", "-F"])
+                .arg(&image)
+                .stdout(std::process::Stdio::null())
+                .stderr(std::process::Stdio::null())
+                .status()
+                .is_ok_and(|s| s.success());
+        if !made {
+            return skip("mkfs.ext4 failed");
+        }
+        let mounted = Command::new("mount")
+            .args(["-o", "loop,errors=remount-ro"])
+            .arg(&image)
+            .arg(at)
+            .stderr(std::process::Stdio::null())
+            .status()
+            .is_ok_and(|s| s.success());
+        if !mounted {
+            return skip("mount failed");
+        }
+        let source = Command::new("findmnt")
+            .args(["-n", "-o", "SOURCE", "--mountpoint"])
+            .arg(at)
+            .output()
+            .ok()
+            .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_owned())
+            .unwrap_or_default();
+        let disk = Self {
+            at: at.to_owned(),
+            device: source.trim_start_matches("/dev/").to_owned(),
+            _image: image_dir,
+        };
+        if disk.device.is_empty() || !disk.trigger().exists() {
+            return skip("no /sys/fs/ext4/<device>/trigger_fs_error");
+        }
+        Some(disk)
+    }
+
+    fn trigger(&self) -> PathBuf {
+        Path::new("/sys/fs/ext4")
+            .join(&self.device)
+            .join("trigger_fs_error")
+    }
+
+    /// Makes the file system fail as a disk error would: ext4 remounts it read-only, files
+    /// open for writing stay open, and every write fails.
+    pub(crate) fn fail(&self) {
+        let _ = fs::write(self.trigger(), b"retryplane test");
+    }
+}
+
+impl Drop for Ext4Disk {
     fn drop(&mut self) {
         let _ = Command::new("umount").arg("-l").arg(&self.at).status();
     }

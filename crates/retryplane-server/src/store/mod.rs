@@ -318,6 +318,23 @@ pub enum StoreError {
         /// The store's file.
         path: PathBuf,
     },
+    /// The store's file cannot be written, though it is still read: its file system is mounted
+    /// read-only (as ext4 does after an error), or the file is marked immutable or append-only.
+    /// Found by [`VersionStore::check`] and before a publish, which then writes nothing: a
+    /// commit that failed on it would leave the file to be opened again, which such a file
+    /// system refuses, and reads would fail with it.
+    #[error(
+        "the store file {} cannot be written ({why}): no change is stored until it can be; \
+         the versions stored are still read",
+        path.display()
+    )]
+    NotWritable {
+        /// The store's file.
+        path: PathBuf,
+        /// Why: "its file system is mounted read-only", "it is marked immutable" or "it is
+        /// marked append-only".
+        why: &'static str,
+    },
     /// The storage backend failed (I/O error, failed commit, ...).
     #[error("the version store backend failed")]
     Backend(#[source] Box<dyn std::error::Error + Send + Sync + 'static>),
@@ -345,6 +362,19 @@ pub trait VersionStore: Send + Sync + 'static {
     /// fails with [`StoreError::NoSuchVersion`]; a content hash equal to the current version's
     /// writes nothing and returns [`Published::Unchanged`] with the current version.
     fn publish(&self, new: NewVersion, expected: Option<u64>) -> Result<Published, StoreError>;
+
+    /// Whether the store could take a change now, as far as can be told without writing
+    /// anything: the embedded store checks that its file is still the one it opened (not
+    /// deleted or replaced), that the file can be written ([`StoreError::NotWritable`]), and
+    /// that it reads. A store that failed after an I/O error is opened again by the check, as
+    /// by any call (at most once every `REOPEN_INTERVAL`), so a disk freed again is found
+    /// before the next change. A full disk is not seen until a change fails on it.
+    ///
+    /// The control plane checks its store every few seconds (`crate::store_check`); a store
+    /// kept in memory is always fine.
+    fn check(&self) -> Result<(), StoreError> {
+        Ok(())
+    }
 
     /// How long the store's file is, in bytes, as last seen (at open and after each publish,
     /// whether it stored anything or failed; no I/O here), or `None` for a store that keeps

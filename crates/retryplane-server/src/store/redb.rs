@@ -560,6 +560,10 @@ impl VersionStore for RedbStore {
 
     fn publish(&self, new: NewVersion, expected: Option<u64>) -> Result<Published, StoreError> {
         self.check_file()?;
+        // Before the commit: one that failed on a read-only file would close the database to
+        // read the file afresh, and a read-only file system refuses that open, so the versions
+        // stored could no longer be read either.
+        writable(&self.path)?;
         // Compressed once, before the transaction (which may run twice).
         let stored = compress_document(&new.document.encode_to_vec())?;
         let committing = std::cell::Cell::new(false);
@@ -574,9 +578,77 @@ impl VersionStore for RedbStore {
         published
     }
 
+    fn check(&self) -> Result<(), StoreError> {
+        self.note_size();
+        self.check_file()?;
+        writable(&self.path)?;
+        self.run(|db| {
+            let txn = db.begin_read().map_err(backend)?;
+            let meta = txn.open_table(META).map_err(backend)?;
+            read_current(&meta).map(drop)
+        })
+    }
+
     fn disk_bytes(&self) -> Option<u64> {
         Some(self.disk_bytes.load(std::sync::atomic::Ordering::Relaxed))
     }
+}
+
+/// Fails with [`StoreError::NotWritable`] when the file at `path` cannot be written though it
+/// can be read: on a file system mounted read-only, or turned read-only by an error (ext4's
+/// `errors=remount-ro`, which since Linux 6.x no longer shows in the mount's flags), or
+/// (Linux) a file marked immutable or append-only (`chattr +i`, `+a`). A check that cannot
+/// tell lets the caller go on: a write then says what is wrong.
+#[cfg(unix)]
+fn writable(path: &Path) -> Result<(), StoreError> {
+    let not_writable = |why| StoreError::NotWritable {
+        path: path.to_owned(),
+        why,
+    };
+    if rustix::fs::statvfs(path)
+        .is_ok_and(|fs| fs.f_flag.contains(rustix::fs::StatVfsMountFlags::RDONLY))
+    {
+        return Err(not_writable("its file system is mounted read-only"));
+    }
+    #[cfg(target_os = "linux")]
+    {
+        // Opened to read its flags only. redb's locks belong to its own open file (an
+        // `flock`, or open file description locks), so closing this one leaves them held.
+        if let Ok(file) = std::fs::File::open(path)
+            && let Ok(flags) = rustix::fs::ioctl_getflags(&file)
+        {
+            if flags.contains(rustix::fs::IFlags::IMMUTABLE) {
+                return Err(not_writable("it is marked immutable"));
+            }
+            if flags.contains(rustix::fs::IFlags::APPEND) {
+                return Err(not_writable("it is marked append-only"));
+            }
+        }
+        // A file system an error turned read-only keeps its mount flags: an unnamed file made
+        // beside the store (gone when closed, never in the directory) is refused on it. Where
+        // the file system has no unnamed files, nothing is learnt.
+        let dir = std::fs::canonicalize(path)
+            .ok()
+            .and_then(|real| real.parent().map(Path::to_owned));
+        if let Some(dir) = dir
+            && let Err(rustix::io::Errno::ROFS) = rustix::fs::open(
+                &dir,
+                rustix::fs::OFlags::TMPFILE
+                    | rustix::fs::OFlags::WRONLY
+                    | rustix::fs::OFlags::CLOEXEC,
+                rustix::fs::Mode::RUSR | rustix::fs::Mode::WUSR,
+            )
+        {
+            return Err(not_writable("its file system is read-only"));
+        }
+    }
+    Ok(())
+}
+
+/// See the Unix [`writable`]: elsewhere a write says what is wrong.
+#[cfg(not(unix))]
+fn writable(_path: &Path) -> Result<(), StoreError> {
+    Ok(())
 }
 
 /// One publish transaction (see [`VersionStore::publish`]); `stored` is the document's

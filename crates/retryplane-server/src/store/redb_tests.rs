@@ -618,6 +618,111 @@ fn a_store_whose_file_was_deleted_or_replaced_stores_nothing_more() {
     assert_eq!(store.history(0, None).unwrap().len(), 1);
 }
 
+/// The check the control plane runs between changes ([`VersionStore::check`]) passes on a
+/// store that reads and can be written, and fails once its file is deleted or replaced, which
+/// nothing else shows until the next change (or a restart that creates a new, empty store).
+#[cfg(unix)]
+#[test]
+fn the_check_fails_once_the_store_file_is_deleted_or_replaced() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = RedbStore::open(dir.path()).unwrap();
+    store.check().unwrap();
+    assert_eq!(publish_new(&store, "a"), 1);
+    store.check().unwrap();
+    let path = dir.path().join("retryplane.redb");
+    std::fs::remove_file(&path).unwrap();
+    let failed = store.check().unwrap_err();
+    assert!(
+        matches!(&failed, StoreError::FileReplaced { path: p } if *p == path),
+        "{failed:?}"
+    );
+    std::fs::write(&path, b"another file").unwrap();
+    let failed = store.check().unwrap_err();
+    assert!(
+        matches!(failed, StoreError::FileReplaced { .. }),
+        "{failed:?}"
+    );
+}
+
+/// The file system under an open store turned read-only, as ext4 does after a disk error: the
+/// check says so, a change is refused before its commit, and every version stays readable. (A
+/// commit that failed on it closed the database to read the file afresh, which the read-only
+/// file system refused: every read failed from then on.) Needs root (skipped otherwise).
+#[cfg(target_os = "linux")]
+#[test]
+fn a_store_whose_file_system_turns_read_only_refuses_changes_and_still_reads() {
+    let dir = tempfile::tempdir().unwrap();
+    let Some(disk) = crate::test_disk::Ext4Disk::mount(dir.path()) else {
+        return;
+    };
+    let store = RedbStore::open(dir.path()).unwrap();
+    assert_eq!(publish_new(&store, "a"), 1);
+    assert_eq!(publish_new(&store, "b"), 2);
+    disk.fail();
+    let read_only = |error: &StoreError| matches!(error, StoreError::NotWritable { why, .. } if why.contains("read-only"));
+    let failed = store.check().unwrap_err();
+    assert!(read_only(&failed), "{failed:?}");
+    let refused = store
+        .publish(version_of("c", Source::Admin), None)
+        .unwrap_err();
+    assert!(read_only(&refused), "{refused:?}");
+    assert!(
+        refused.to_string().contains("cannot be written"),
+        "{refused}"
+    );
+    assert_eq!(store.current().unwrap().unwrap().meta.version, 2);
+    assert_eq!(store.get(1).unwrap().unwrap().meta.version, 1);
+    assert_eq!(store.history(0, None).unwrap().len(), 2);
+    let failed = store.check().unwrap_err();
+    assert!(read_only(&failed), "{failed:?}");
+    drop(store);
+    drop(disk);
+}
+
+/// A store file marked immutable (`chattr +i`), which fails every write to the open file: the
+/// check and a change say so, reads go on, and once the mark is gone changes are stored
+/// again, without a restart. Needs root and a file system that keeps the mark (skipped
+/// otherwise).
+#[cfg(target_os = "linux")]
+#[test]
+fn a_store_file_marked_immutable_refuses_changes_until_the_mark_is_gone() {
+    use rustix::fs::{IFlags, ioctl_getflags, ioctl_setflags};
+
+    /// Takes the mark off again, whatever the test did: the temporary directory cannot be
+    /// removed with an immutable file in it.
+    struct Unmark(std::fs::File);
+    impl Drop for Unmark {
+        fn drop(&mut self) {
+            if let Ok(flags) = ioctl_getflags(&self.0) {
+                let _ = ioctl_setflags(&self.0, flags - IFlags::IMMUTABLE);
+            }
+        }
+    }
+
+    let dir = tempfile::tempdir().unwrap();
+    let store = RedbStore::open(dir.path()).unwrap();
+    assert_eq!(publish_new(&store, "a"), 1);
+    let file = std::fs::File::open(dir.path().join("retryplane.redb")).unwrap();
+    let flags = ioctl_getflags(&file).unwrap();
+    if let Err(e) = ioctl_setflags(&file, flags | IFlags::IMMUTABLE) {
+        eprintln!("skipped: cannot mark a file immutable ({e}; needs root)");
+        return;
+    }
+    let mark = Unmark(file);
+    let immutable = |error: &StoreError| matches!(error, StoreError::NotWritable { why, .. } if why.contains("immutable"));
+    let failed = store.check().unwrap_err();
+    assert!(immutable(&failed), "{failed:?}");
+    let refused = store
+        .publish(version_of("b", Source::Admin), None)
+        .unwrap_err();
+    assert!(immutable(&refused), "{refused:?}");
+    assert_eq!(store.history(0, None).unwrap().len(), 1);
+    assert_eq!(store.get(1).unwrap().unwrap().meta.version, 1);
+    drop(mark);
+    store.check().unwrap();
+    assert_eq!(publish_new(&store, "b"), 2);
+}
+
 /// A store reached through a symbolic link (the data directory's file linked to a volume) is
 /// the file the link leads to: publishes go on.
 #[cfg(unix)]
