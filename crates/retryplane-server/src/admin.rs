@@ -110,6 +110,21 @@ impl AdminApi {
         })
     }
 
+    /// What the last check of the store found, as `FleetStatus` gives it.
+    fn store_state(&self) -> pb::StoreState {
+        let state = self.control.store_health.state();
+        let failing = state.failing.is_some();
+        let (since, problem) = state
+            .failing
+            .map_or((0, String::new()), |f| (f.since_unix_ms, f.problem));
+        pb::StoreState {
+            checked_unix_ms: state.checked_unix_ms,
+            failing,
+            failing_since_unix_ms: since,
+            problem,
+        }
+    }
+
     /// A turn to check a document ([`MAX_CONCURRENT_CHECKS`]): for a change (Apply, Rollback)
     /// by a caller who `may_change` the policies ([`caller_may_change`]), of the shared turns
     /// or the kept one; for a check (Validate, a dry run), of the shared ones.
@@ -401,7 +416,10 @@ fn pb_diagnostics(diagnostics: &[Diagnostic]) -> Vec<pb::Diagnostic> {
 /// Logs a store failure and answers INTERNAL without its details.
 fn internal(e: &StoreError) -> Status {
     error!(error = %ErrorChain(e), "admin request failed in the version store");
-    Status::internal("the version store failed; see the control plane's log")
+    Status::internal(
+        "the version store failed; see the control plane's log (`retryplane status` shows \
+         whether the store fails its checks)",
+    )
 }
 
 /// The status for a refused change (see the module docs). In file mode only a save changes the
@@ -886,6 +904,7 @@ impl AdminService for AdminApi {
             known_agents: u32::try_from(known).unwrap_or(u32::MAX),
             policy_file: self.policy_file(),
             started_unix_ms: self.control.fleet.started_unix_ms(),
+            store: Some(self.store_state()),
         }))
     }
 

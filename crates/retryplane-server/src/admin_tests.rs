@@ -1737,6 +1737,7 @@ async fn a_failed_store_still_gives_the_version_served_from_memory() {
     assert_eq!(status.code(), Code::Internal);
     assert_eq!(
         status.message(),
-        "the version store failed; see the control plane's log"
+        "the version store failed; see the control plane's log (`retryplane status` shows \
+         whether the store fails its checks)"
     );
 }

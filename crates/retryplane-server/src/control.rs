@@ -27,6 +27,7 @@ use crate::publisher::Publisher;
 use crate::store::{
     NewVersion, Published, REOPEN_INTERVAL, Source, StoreError, VersionRecord, VersionStore,
 };
+use crate::store_check::StoreHealth;
 
 /// Who owns the policies (SPEC §3).
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -225,6 +226,8 @@ pub struct ControlPlane {
     converted: Arc<std::sync::Mutex<Option<Arc<Converted>>>>,
     /// File mode: the verdict on the policy file's last read ([`ControlPlane::file_read`]).
     file_read: FileReads,
+    /// What the last check of the store found (`crate::store_check`).
+    pub store_health: Arc<StoreHealth>,
 }
 
 /// File mode: what became of a read of the policy file, for `FleetStatus`: a save that was not
@@ -373,6 +376,7 @@ impl ControlPlane {
     ) -> Self {
         metrics.note_store_size(store.as_ref());
         let file_read = FileReads::new(metrics.config_last_reload_successful.clone());
+        let store_health = Arc::new(StoreHealth::new(metrics.store_healthy.clone()));
         Self {
             store,
             publisher,
@@ -383,6 +387,7 @@ impl ControlPlane {
             changes: Arc::new(Mutex::new(())),
             converted: Arc::new(std::sync::Mutex::new(None)),
             file_read,
+            store_health,
         }
     }
 
@@ -523,6 +528,11 @@ impl ControlPlane {
             )
         {
             self.metrics.store_failures.inc();
+        }
+        if !dry_run {
+            // A change that failed in the store shows in `status` at once, and one stored
+            // clears a failure the checks saw.
+            self.store_health.check_soon();
         }
         result
     }
@@ -1065,4 +1075,4 @@ const CATCH_UP_TRIES: u32 = 60;
 
 #[cfg(test)]
 #[path = "control_tests.rs"]
-mod tests;
+pub(crate) mod tests;

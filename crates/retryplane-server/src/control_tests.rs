@@ -519,7 +519,7 @@ async fn a_dry_run_does_not_wait_for_a_change_being_committed() {
 }
 
 /// The wire form of a policy file that loads without errors.
-fn wire(yaml: &str) -> pb::PolicyDocument {
+pub(crate) fn wire(yaml: &str) -> pb::PolicyDocument {
     let set = retryplane_policy::load(yaml.as_bytes()).policies.unwrap();
     pb::PolicyDocument::from(set.document().as_ref())
 }

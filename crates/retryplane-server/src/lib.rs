@@ -1,7 +1,8 @@
 //! The retryplane control plane (`retryplane serve`, SPEC §3).
 //!
 //! A versioned snapshot store plus thin gRPC and HTTP layers: the [`store`] decides
-//! versions and keeps every one of them in an embedded database; [`control`] is the one path by
+//! versions and keeps every one of them in an embedded database, and [`store_check`] checks it
+//! while the control plane runs; [`control`] is the one path by
 //! which policies change (validate, safety checks, store, publish); the [`agent_stream`] service
 //! only fans the current snapshot out to connected agents, records their ACKs and NACKs and
 //! acknowledges their numbered metrics reports, counting each once ([`report_seq`]); its route,
@@ -51,6 +52,7 @@ pub mod report_seq;
 pub mod running;
 pub mod server;
 pub mod store;
+pub mod store_check;
 pub mod text_format;
 mod turns;
 pub mod watch;

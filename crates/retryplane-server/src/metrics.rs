@@ -50,6 +50,11 @@ pub struct ServerMetrics {
     /// full disk, a store file replaced under the control plane, a failed commit. In API mode
     /// the one sign on `/metrics` that changes are not being stored.
     pub store_failures: Counter,
+    /// 1 while the checks of the version store pass, 0 from the first that fails: its file
+    /// deleted or replaced, not writable (a read-only file system), or not readable
+    /// (`crate::store_check`, every 10 s and after each change). A full disk shows in
+    /// `store_failures` only.
+    pub store_healthy: Gauge,
     /// 1 when the last read of the policy file in file mode gave a valid file that was
     /// applied (or equal to the version served), 0 when it could not be read, was invalid or
     /// was refused; like Prometheus's own `prometheus_config_last_reload_successful`. Set at
@@ -134,6 +139,7 @@ impl ServerMetrics {
         let rejected_changes = Counter::default();
         let store_failures = Counter::default();
         let store_bytes = Gauge::default();
+        let store_healthy = Gauge::default();
         let config_last_reload_successful = Gauge::default();
         let tokens_last_reload_successful = Gauge::default();
         tokens_last_reload_successful.set(1);
@@ -182,6 +188,11 @@ impl ServerMetrics {
             "store_failures",
             "Policy changes the version store failed to store (not stored, or not known to be)",
             store_failures.clone(),
+        );
+        registry.register(
+            "store_healthy",
+            "Whether the last check of the version store passed (1) or found it failing (0): its file deleted or replaced, not writable, or not readable",
+            store_healthy.clone(),
         );
         registry.register(
             "store_bytes",
@@ -269,6 +280,7 @@ impl ServerMetrics {
             rejected_changes,
             store_failures,
             store_bytes,
+            store_healthy,
             config_last_reload_successful,
             tokens_last_reload_successful,
             reports_dropped,

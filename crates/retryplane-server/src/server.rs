@@ -74,6 +74,8 @@ pub use self::error::ServeError;
 pub const SHUTDOWN_GRACE: Duration = Duration::from_secs(5);
 /// How long the end of a shutdown waits for the connections it closes to let go.
 const CLOSE_WAIT: Duration = Duration::from_secs(1);
+/// How long a shutdown waits for a check of the store under way ([`Running::shutdown`]).
+const STORE_CHECK_WAIT: Duration = Duration::from_secs(2);
 /// The default HTTP/2 keepalive ping interval on the gRPC listeners
 /// ([`ServeConfig::keepalive_interval`]).
 pub const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(20);
@@ -103,6 +105,9 @@ pub struct Running {
     health: Health,
     servers: JoinSet<Result<(), ServeError>>,
     background: Vec<JoinHandle<()>>,
+    /// The store's checks (`crate::store_check`): waited for at shutdown, not aborted, since
+    /// a check under way holds the store on a blocking thread that an abort does not stop.
+    store_check: JoinHandle<()>,
     tokens: Option<Arc<TokenSet>>,
     /// In file mode, asks the policy file's watcher for a read.
     read_again: Option<crate::watch::ReadAgain>,
@@ -319,6 +324,12 @@ pub async fn start(cfg: ServeConfig) -> Result<Running, ServeError> {
         aggregate::TICK,
         shutdown_rx.clone(),
     )];
+    let store_check = crate::store_check::spawn(
+        &control,
+        store_file.clone(),
+        cfg.store_check_interval,
+        shutdown_rx.clone(),
+    );
     let mut start_read = None;
     let mut read_again = None;
     if !cfg.api_mode {
@@ -483,6 +494,7 @@ pub async fn start(cfg: ServeConfig) -> Result<Running, ServeError> {
         health,
         servers,
         background,
+        store_check,
         tokens,
         read_again,
         connections,
@@ -730,6 +742,18 @@ impl Running {
         for task in self.background.drain(..) {
             task.abort();
             let _ = task.await;
+        }
+        // It ends once the check under way (if any) is over: so the store is closed below,
+        // and a start right after on the same data directory finds it free. A check held up
+        // longer (a disk that does not answer) is left behind.
+        if tokio::time::timeout(STORE_CHECK_WAIT, &mut self.store_check)
+            .await
+            .is_err()
+        {
+            warn!(
+                "a check of the version store has not ended within {STORE_CHECK_WAIT:?}; stopping without it"
+            );
+            self.store_check.abort();
         }
         // The last reference to the store goes with `self` (unless a caller kept a clone).
         drop(self);

@@ -548,6 +548,58 @@ async fn the_store_size_is_on_metrics_from_the_start_and_grows_with_each_version
     running.shutdown().await.unwrap();
 }
 
+/// `FleetStatus`'s store state.
+async fn store_state(running: &Running) -> pb::StoreState {
+    admin(running)
+        .await
+        .fleet_status(pb::FleetStatusRequest::default())
+        .await
+        .unwrap()
+        .into_inner()
+        .store
+        .unwrap()
+}
+
+/// A store file deleted under a running control plane (a cleanup script, a restore done in the
+/// wrong order) shows within a check's interval, without waiting for a change to fail on it:
+/// on `/metrics`, in `FleetStatus` and in the log. Agents are served on meanwhile, and the
+/// versions still read from the open file.
+#[tokio::test]
+async fn a_store_file_deleted_under_a_running_control_plane_shows_at_the_next_check() {
+    let (dir, mut cfg) = with_file(V1);
+    cfg.store_check_interval = Duration::from_millis(50);
+    let (log, _guard) = crate::test_logs::capture("retryplane_server=info");
+    let running = start(cfg).await.unwrap();
+    let healthy = store_state(&running).await;
+    assert!(!healthy.failing, "{healthy:?}");
+    assert!(healthy.problem.is_empty(), "{healthy:?}");
+    assert_eq!(gauge(&running, "retryplane_server_store_healthy").await, 1);
+    std::fs::remove_file(dir.path().join("data").join("retryplane.redb")).unwrap();
+    eventually("the store's check fails", || async {
+        store_state(&running).await.failing
+    })
+    .await;
+    let failing = store_state(&running).await;
+    assert!(
+        failing.problem.contains("was deleted or replaced"),
+        "{failing:?}"
+    );
+    assert!(failing.failing_since_unix_ms > 0, "{failing:?}");
+    assert!(
+        failing.checked_unix_ms >= failing.failing_since_unix_ms,
+        "{failing:?}"
+    );
+    assert_eq!(gauge(&running, "retryplane_server_store_healthy").await, 0);
+    assert_eq!(current(&running).await.version, 1);
+    let text = log.text();
+    assert_eq!(
+        text.matches("the version store is failing").count(),
+        1,
+        "logged once, not at every check: {text}"
+    );
+    running.shutdown().await.unwrap();
+}
+
 #[tokio::test]
 async fn api_mode_without_a_seed_is_not_ready_until_an_apply() {
     let dir = tempfile::tempdir().unwrap();

@@ -92,6 +92,9 @@ pub struct ServeConfig {
     /// tenth go).
     /// Default [`crate::fleet::FORGET_DISCONNECTED_AFTER`] (1 h).
     pub forget_disconnected_after: Option<Duration>,
+    /// How often the version store is checked (its file still there and writable, its
+    /// reads working: `crate::store_check`). Default [`crate::store_check::INTERVAL`] (10 s).
+    pub store_check_interval: Duration,
 }
 
 impl Default for ServeConfig {
@@ -119,6 +122,7 @@ impl Default for ServeConfig {
             max_streams_per_connection: MAX_STREAMS_PER_CONNECTION,
             connection_idle_timeout: CONNECTION_IDLE_TIMEOUT,
             forget_disconnected_after: Some(crate::fleet::FORGET_DISCONNECTED_AFTER),
+            store_check_interval: crate::store_check::INTERVAL,
         }
     }
 }
