@@ -353,12 +353,13 @@ async fn prometheus_reads_back_exactly_what_agents_did() {
         (format!("retryplane_retry_ratio_alert{{{s}}}"), 0.0),
         (format!("retryplane_retry_ratio_threshold{{{c}}}"), 0.05),
         (r#"retryplane_agents{applied_version="1"}"#.to_owned(), 2.0),
+        ("retryplane_server_store_healthy".to_owned(), 1.0),
     ] {
         prometheus.wait_for(&query, want).await;
     }
 
-    // README's alert on failed calls, as README gives it (its lines joined), is PromQL this
-    // Prometheus takes.
+    // README's alerts on failed calls and on a failing store, as README gives them (their
+    // lines joined), are PromQL this Prometheus takes.
     let readme =
         std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../README.md")).unwrap();
     let readme = readme.split_whitespace().collect::<Vec<_>>().join(" ");
@@ -367,6 +368,7 @@ async fn prometheus_reads_back_exactly_what_agents_did() {
          retryplane_giveups_total offset 5m) and on(job, instance) up offset 5m)",
         "increase(retryplane_circuit_open_total[5m]) > 0 or ((retryplane_circuit_open_total > 0 \
          unless retryplane_circuit_open_total offset 5m) and on(job, instance) up offset 5m)",
+        "retryplane_server_store_healthy == 0",
     ] {
         assert!(readme.contains(alert), "README no longer gives `{alert}`");
         if let Err(said) = prometheus.accepts(alert).await {

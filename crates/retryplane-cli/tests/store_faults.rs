@@ -185,3 +185,57 @@ async fn an_apply_refused_because_the_store_file_was_replaced_says_so_and_that_n
          stored, and that a restart is needed: {stderr}"
     );
 }
+
+/// The store's file deleted under a running control plane, and no change made: the control
+/// plane's check of its store finds it within its interval (10 s), and `status` says so on a
+/// line of its own, as `/metrics` does with `retryplane_server_store_healthy 0`, before a
+/// restart would create a new, empty store in its place.
+#[tokio::test]
+async fn a_store_file_deleted_with_no_change_made_shows_in_status_and_on_metrics() {
+    let dir = tempfile::tempdir().unwrap();
+    let (child, addrs) = serve(dir.path(), &["--api"]).await;
+    let metrics = http_get(&addrs[2], "/metrics").await;
+    assert!(
+        metrics.contains("retryplane_server_store_healthy 1"),
+        "{metrics}"
+    );
+    std::fs::remove_file(dir.path().join("data/retryplane.redb")).unwrap();
+    let status = || async {
+        let output = Command::new(env!("CARGO_BIN_EXE_retryplane"))
+            .args(["status", "--server"])
+            .arg(format!("http://{}", addrs[1]))
+            .env_remove("RETRYPLANE_TOKEN")
+            .output()
+            .await
+            .unwrap();
+        assert_eq!(output.status.code(), Some(0), "{output:?}");
+        String::from_utf8_lossy(&output.stdout).into_owned()
+    };
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let mut shown = status().await;
+    while !shown.contains("store: failing since") && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        shown = status().await;
+    }
+    let metrics = http_get(&addrs[2], "/metrics").await;
+    terminate(child).await;
+    let line = shown
+        .lines()
+        .find(|l| l.starts_with("store: failing since"))
+        .unwrap_or_else(|| panic!("no store line within 30 s: {shown}"));
+    assert!(
+        line.contains("was deleted or replaced")
+            && line.ends_with("v1 is served from memory, but no change can be stored"),
+        "{line}"
+    );
+    assert!(
+        metrics.contains("retryplane_server_store_healthy 0"),
+        "{metrics}"
+    );
+    let log = std::fs::read_to_string(dir.path().join("serve.log")).unwrap();
+    assert_eq!(
+        log.matches("the version store is failing").count(),
+        1,
+        "{log}"
+    );
+}

@@ -23,6 +23,11 @@
 //! 3:28: error: endpoints.payments.max_attempts: …; v2 is served` (`no version is served`
 //! before the first one).
 //!
+//! While the control plane's checks of its version store fail (its file deleted or replaced,
+//! not writable, not readable), one line says so, and why: `store: failing since
+//! 2026-12-07T19:40:01Z (checked 2026-12-07T19:41:01Z): the store file … was deleted or
+//! replaced …; v7 is served from memory, but no change can be stored`.
+//!
 //! Then one line per endpoint whose retry ratio over the last 5 minutes is past its threshold
 //! (SPEC §4): `FleetStatus` names them and, only when it names any, `Stats` gives the figures:
 //! `alert: payments (checkout) retry ratio 7.2% > 5.0% over 5m`, followed by `, last minute
@@ -34,9 +39,11 @@
 //! ran before its start may be missing until they reconnect (its fleet records are in memory).
 //!
 //! JSON: `{current_version, started_unix_ms, started, summary: {acked, nacked, pending, disconnected}, agents: [...],
-//! alerts: [...], policy_file}`, `policy_file` being `null` in API mode (and in file mode until a
-//! read is judged), else `{path, served, read_unix_ms, read, problem}` (`problem` `null` when
-//! served), each agent with every field of the wire message (`labels` an object; times
+//! alerts: [...], store, policy_file}`, `store` being `{failing, failing_since_unix_ms,
+//! failing_since, checked_unix_ms, checked, problem}` (`problem` `null` while the checks pass;
+//! `store` `null` from a control plane older than its checks), `policy_file` being `null` in
+//! API mode (and in file mode until a read is judged), else `{path, served, read_unix_ms, read,
+//! problem}` (`problem` `null` when served), each agent with every field of the wire message (`labels` an object; times
 //! in Unix milliseconds and, for people, RFC 3339 UTC; empty strings as `null`), each alert as
 //! `retryplane stats` prints it (`{service, endpoint, ratio, threshold, window_seconds,
 //! since_unix_ms, since}`).
@@ -210,6 +217,18 @@ fn status_text(
     }
     out.push_str(&counts.line(response.current_version));
     out.push('\n');
+    if let Some(store) = response.store.as_ref().filter(|s| s.failing) {
+        let served = match response.current_version {
+            0 => String::new(),
+            v => format!("v{v} is served from memory, but "),
+        };
+        out.push_str(&format!(
+            "store: failing since {} (checked {}): {}; {served}no change can be stored\n",
+            rfc3339_or_dash(store.failing_since_unix_ms),
+            rfc3339_or_dash(store.checked_unix_ms),
+            output::spaced(&store.problem),
+        ));
+    }
     if let Some(file) = response.policy_file.as_ref().filter(|f| !f.served) {
         let serving = match response.current_version {
             0 => "no version is served".to_owned(),
@@ -371,6 +390,14 @@ fn status_json(
         },
         "agents": agents,
         "alerts": stats.map_or(Value::Null, metrics::alerts_json),
+        "store": response.store.as_ref().map_or(Value::Null, |s| json!({
+            "failing": s.failing,
+            "failing_since_unix_ms": s.failing_since_unix_ms,
+            "failing_since": time(s.failing_since_unix_ms),
+            "checked_unix_ms": s.checked_unix_ms,
+            "checked": time(s.checked_unix_ms),
+            "problem": non_empty(&s.problem),
+        })),
         "policy_file": response.policy_file.as_ref().map_or(Value::Null, |f| json!({
             "path": f.path,
             "served": f.served,
@@ -618,6 +645,62 @@ z      checkout  -                                    127.0.0.1:50000  disconnec
         response.policy_file = None;
         assert_eq!(
             status_json(&response, Counts::default(), None)["policy_file"],
+            Value::Null
+        );
+    }
+
+    #[test]
+    fn a_failing_store_is_a_line_of_text_and_an_object_in_json() {
+        let failing = pb::StoreState {
+            checked_unix_ms: 1_764_473_885_000,
+            failing: true,
+            failing_since_unix_ms: 1_764_473_825_000,
+            problem: "the store file /d/retryplane.redb was deleted\nor replaced".to_owned(),
+        };
+        let mut response = pb::FleetStatusResponse {
+            current_version: 2,
+            store: Some(failing.clone()),
+            ..Default::default()
+        };
+        assert_eq!(
+            status_text(&response, Counts::default(), None),
+            "v2: 0 acked, 0 nacked, 0 pending\nstore: failing since 2025-11-30T03:37:05Z \
+             (checked 2025-11-30T03:38:05Z): the store file /d/retryplane.redb was deleted or \
+             replaced; v2 is served from memory, but no change can be stored\n"
+        );
+        assert_eq!(
+            status_json(&response, Counts::default(), None)["store"],
+            json!({
+                "failing": true,
+                "failing_since_unix_ms": 1_764_473_825_000_u64,
+                "failing_since": "2025-11-30T03:37:05Z",
+                "checked_unix_ms": 1_764_473_885_000_u64,
+                "checked": "2025-11-30T03:38:05Z",
+                "problem": "the store file /d/retryplane.redb was deleted\nor replaced",
+            })
+        );
+        response.current_version = 0;
+        assert!(
+            status_text(&response, Counts::default(), None)
+                .ends_with("or replaced; no change can be stored\n")
+        );
+        // Passing: no line, and no problem in JSON.
+        response.store = Some(pb::StoreState {
+            checked_unix_ms: 1_764_473_885_000,
+            ..Default::default()
+        });
+        assert_eq!(
+            status_text(&response, Counts::default(), None),
+            "no version yet: 0 acked, 0 nacked, 0 pending\n"
+        );
+        let value = status_json(&response, Counts::default(), None);
+        assert_eq!(value["store"]["failing"], json!(false));
+        assert_eq!(value["store"]["problem"], Value::Null);
+        assert_eq!(value["store"]["failing_since"], Value::Null);
+        // An older control plane: none.
+        response.store = None;
+        assert_eq!(
+            status_json(&response, Counts::default(), None)["store"],
             Value::Null
         );
     }
