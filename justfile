@@ -19,6 +19,8 @@ bench:
     cargo bench -p retryplane-policy --bench hot_path
     cargo bench -p retryplane-agent --bench call
     cargo bench -p retryplane-agent --bench call_latency
+    cargo bench -p retryplane-agent --bench layer
+    cargo bench -p retryplane-proto --bench snapshot
     cargo bench -p retryplane-server --bench ingest
     cargo bench -p retryplane-sim --bench simulate
 

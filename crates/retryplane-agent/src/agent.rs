@@ -662,8 +662,11 @@ impl AgentBuilder {
     /// The control plane's agent listener, `http://host:port` (`grpc://host:port` is taken as
     /// `http://`). [`AgentBuilder::connect`] refuses a URL without a scheme, with `https://` or
     /// `grpcs://` (the agent does not speak TLS yet) or any other scheme, a Unix socket, a
-    /// `user:password@` part (the control plane takes a [token](AgentBuilder::token)), and a
-    /// port that is not a number from 1 to 65535; a path, query or fragment is not used (the
+    /// `user:password@` part (the control plane takes a [token](AgentBuilder::token)) or an
+    /// `@` after the host, no host, no port (the control plane's agent listener is on 7470 by
+    /// default; the connection would quietly go to port 80), and a port that is not a number
+    /// from 1 to 65535 ([`AgentError::UnsupportedUrl`](crate::AgentError::UnsupportedUrl)
+    /// says which); a path, query or fragment is not used (the
     /// stream goes to the server's root), and a warning says so. Debug output shows a password
     /// here as `***` and leaves a query or fragment out (`?…`), as either may carry a
     /// credential ([`crate::shown_url_without_query`]).

@@ -251,22 +251,6 @@ impl<T, E> CallError<T, E> {
     }
 }
 
-/// A gRPC call's error as a `tonic::Status` for a handler to answer its own caller with, with
-/// `?`. Its code is the upstream's when the last attempt returned a status (`UNKNOWN` for an
-/// `OK` the classifier took for a failure or a success; `DEADLINE_EXCEEDED` for tonic's own
-/// request timeout, which it reports as `CANCELLED`, as the tower layer answers it); else the
-/// code a gRPC client reports for how the call ended (`DEADLINE_EXCEEDED` when time ran out,
-/// `UNAVAILABLE` when the circuit is open, `CANCELLED` for a cancelled call, `UNKNOWN`
-/// otherwise). Its message is the upstream's, or this error's `Display`.
-///
-/// The upstream's metadata is not handed on: its `grpc-retry-pushback-ms` speaks of the
-/// upstream, not of this service. A call that gave up says so instead, so that the caller's
-/// own retry policy does not multiply the attempts already made: `grpc-retry-pushback-ms: -1`
-/// (gRPC's "do not retry"), with `retryplane-gave-up` (the cause) and `retryplane-attempts`,
-/// as the tower layer's answers carry. A cancelled call carries the last two only. The
-/// upstream's error details go with its metadata. To hand on the upstream's status as it came
-/// instead, take it with [`CallError::into_error`]. A proxy between this service and its
-/// caller that does not read gRPC's pushback does not hold its own retries back for it.
 /// The metadata (and, through the tower layer, the response header) that says why a gRPC call
 /// gave up: its [`Cause`].
 pub(crate) const GAVE_UP_KEY: &str = "retryplane-gave-up";
@@ -287,6 +271,22 @@ impl Cause {
     }
 }
 
+/// A gRPC call's error as a `tonic::Status` for a handler to answer its own caller with, with
+/// `?`. Its code is the upstream's when the last attempt returned a status (`UNKNOWN` for an
+/// `OK` the classifier took for a failure or a success; `DEADLINE_EXCEEDED` for tonic's own
+/// request timeout, which it reports as `CANCELLED`, as the tower layer answers it); else the
+/// code a gRPC client reports for how the call ended (`DEADLINE_EXCEEDED` when time ran out,
+/// `UNAVAILABLE` when the circuit is open, `CANCELLED` for a cancelled call, `UNKNOWN`
+/// otherwise). Its message is the upstream's, or this error's `Display`.
+///
+/// The upstream's metadata is not handed on: its `grpc-retry-pushback-ms` speaks of the
+/// upstream, not of this service. A call that gave up says so instead, so that the caller's
+/// own retry policy does not multiply the attempts already made: `grpc-retry-pushback-ms: -1`
+/// (gRPC's "do not retry"), with `retryplane-gave-up` (the cause) and `retryplane-attempts`,
+/// as the tower layer's answers carry. A cancelled call carries the last two only. The
+/// upstream's error details go with its metadata. To hand on the upstream's status as it came
+/// instead, take it with [`CallError::into_error`]. A proxy between this service and its
+/// caller that does not read gRPC's pushback does not hold its own retries back for it.
 impl<T> From<CallError<T, tonic::Status>> for tonic::Status {
     fn from(e: CallError<T, tonic::Status>) -> Self {
         let (cause, attempts) = (e.cause, e.attempts);

@@ -82,8 +82,11 @@
 //! tonic = "0.14"             # gRPC: tonic::Status, a Channel under the layer
 //! ```
 //!
-//! Only what a service uses is needed: `tokio` with its timer always (see [`Agent`] above),
-//! `tower` for the layer, `tonic` (0.14, as the agent's own) for gRPC. The `reqwest` feature
+//! Only what a service uses is needed: `tokio` with its timer always (calls wait on it: see
+//! the first point above), `tower` for the layer, `tonic` (0.14, as the agent's own) for gRPC.
+//! The examples in these docs also use the HTTP client and body crates a service brings
+//! itself: `hyper-util` (`client-legacy`, `http1`, `tokio`), `http-body-util` and `bytes` under
+//! the layer, and `reqwest` (0.13) for the reqwest ones. The `reqwest` feature
 //! makes `reqwest::Response` and `reqwest::Error` [`Classify`] for [`Endpoint::call`]; the
 //! layer works over a reqwest client without it (see [`layer`], "Over a reqwest `Client`").
 

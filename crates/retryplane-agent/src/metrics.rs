@@ -48,7 +48,7 @@ use retryplane_policy::engine::GiveUpCause;
 use retryplane_proto::pb;
 
 macro_rules! counters {
-    ($($field:ident),* $(,)?) => {
+    ($($(#[$doc:meta])* $field:ident),* $(,)?) => {
         /// One endpoint's counters.
         #[derive(Debug, Default)]
         pub(crate) struct Counters {
@@ -62,7 +62,7 @@ macro_rules! counters {
         #[derive(Clone, Debug, Default, PartialEq, Eq)]
         pub struct CounterValues {
             $(
-                #[doc = concat!("`", stringify!($field), "` (SPEC §4).")]
+                $(#[$doc])*
                 pub $field: u64,
             )*
         }
@@ -108,20 +108,43 @@ macro_rules! counters {
     };
 }
 
+// Each field's doc is its `EndpointCounters` field's (proto/retryplane/v1/agent.proto).
 counters!(
+    /// Logical calls (SPEC §4): one per call, however many attempts, counted even when
+    /// nothing was sent (an open breaker refused it).
     calls,
+    /// Attempts sent to the upstream (first tries and retries).
     attempts,
+    /// Attempts after the first.
     retries,
+    /// Calls that succeeded on their first attempt.
     success_first_try,
+    /// Calls that succeeded on a later attempt.
     success_after_retry,
+    /// Calls given up: `max_attempts` reached.
     gave_up_attempts,
+    /// Calls given up: the retry budget refused the retry.
     gave_up_budget,
+    /// Calls given up: the next pause would end past the deadline, or the deadline passed.
     gave_up_deadline,
+    /// Calls given up: the upstream's `Retry-After` (or gRPC pushback) was longer than
+    /// `retry_after.max`.
     gave_up_retry_after,
+    /// Calls given up: the failure is not retryable (status not listed, not idempotent, a
+    /// request body that cannot be sent again, or a gRPC pushback that says do not retry).
     gave_up_not_retryable,
+    /// Calls the circuit breaker ended: refused before their first attempt, or stopped before
+    /// a retry by a breaker that opened meanwhile (SPEC §4 counts them apart from give-ups).
     circuit_open,
+    /// Time spent pausing between attempts, in whole milliseconds (what is left below one
+    /// goes into a later report).
     backoff_ms,
+    /// Pauses that followed a `Retry-After` or gRPC pushback hint.
     retry_after_honored,
+    /// Calls that ended with no outcome: the caller cancelled them or dropped the call's
+    /// future. Not among SPEC §4's counters; with it, every call that has ended is counted
+    /// once in `success_first_try`, `success_after_retry`, a `gave_up_*`, `circuit_open` or
+    /// `cancelled`.
     cancelled,
 );
 
