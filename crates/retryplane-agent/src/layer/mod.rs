@@ -334,7 +334,8 @@
 //! `calls` is the number of logical calls made (the leaders'), not of requests, and the retry
 //! ratio (retries / calls) is theirs. A logical call counts even when it sent nothing (an open
 //! breaker refused it, or its request body was not read by the deadline): `attempts` counts
-//! what was sent. Count the answered followers with
+//! what was handed to the service below to send (a request that client refused to send, a
+//! relative URI say, counts one). Count the answered followers with
 //! [`DedupStats::shared`] (from [`Dedup::stats`]). A follower that makes its own call (after
 //! a leader's error, an oversized body, or its wait's deadline) is counted as any call.
 
