@@ -531,7 +531,8 @@ impl ControlPlane {
         }
         if !dry_run {
             // A change that failed in the store shows in `status` at once, and one stored
-            // clears a failure the checks saw.
+            // clears a failure the checks saw (a change refused before the store asks too:
+            // a check is cheap).
             self.store_health.check_soon();
         }
         result

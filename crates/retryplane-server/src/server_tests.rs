@@ -579,11 +579,18 @@ async fn a_store_file_deleted_under_a_running_control_plane_shows_at_the_next_ch
         store_state(&running).await.failing
     })
     .await;
+    let since = store_state(&running).await.failing_since_unix_ms;
+    // Several checks later, each failing alike.
+    eventually("more checks", || async {
+        store_state(&running).await.checked_unix_ms >= since + 200
+    })
+    .await;
     let failing = store_state(&running).await;
     assert!(
         failing.problem.contains("was deleted or replaced"),
         "{failing:?}"
     );
+    assert_eq!(failing.failing_since_unix_ms, since);
     assert!(failing.failing_since_unix_ms > 0, "{failing:?}");
     assert!(
         failing.checked_unix_ms >= failing.failing_since_unix_ms,

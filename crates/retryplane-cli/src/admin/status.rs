@@ -26,7 +26,7 @@
 //! While the control plane's checks of its version store fail (its file deleted or replaced,
 //! not writable, not readable), one line says so, and why: `store: failing since
 //! 2026-12-07T19:40:01Z (checked 2026-12-07T19:41:01Z): the store file … was deleted or
-//! replaced …; v7 is served from memory, but no change can be stored`.
+//! replaced …; v7 is served from memory`.
 //!
 //! Then one line per endpoint whose retry ratio over the last 5 minutes is past its threshold
 //! (SPEC §4): `FleetStatus` names them and, only when it names any, `Stats` gives the figures:
@@ -219,11 +219,11 @@ fn status_text(
     out.push('\n');
     if let Some(store) = response.store.as_ref().filter(|s| s.failing) {
         let served = match response.current_version {
-            0 => String::new(),
-            v => format!("v{v} is served from memory, but "),
+            0 => "no version is served".to_owned(),
+            v => format!("v{v} is served from memory"),
         };
         out.push_str(&format!(
-            "store: failing since {} (checked {}): {}; {served}no change can be stored\n",
+            "store: failing since {} (checked {}): {}; {served}\n",
             rfc3339_or_dash(store.failing_since_unix_ms),
             rfc3339_or_dash(store.checked_unix_ms),
             output::spaced(&store.problem),
@@ -666,7 +666,7 @@ z      checkout  -                                    127.0.0.1:50000  disconnec
             status_text(&response, Counts::default(), None),
             "v2: 0 acked, 0 nacked, 0 pending\nstore: failing since 2025-11-30T03:37:05Z \
              (checked 2025-11-30T03:38:05Z): the store file /d/retryplane.redb was deleted or \
-             replaced; v2 is served from memory, but no change can be stored\n"
+             replaced; v2 is served from memory\n"
         );
         assert_eq!(
             status_json(&response, Counts::default(), None)["store"],
@@ -682,7 +682,7 @@ z      checkout  -                                    127.0.0.1:50000  disconnec
         response.current_version = 0;
         assert!(
             status_text(&response, Counts::default(), None)
-                .ends_with("or replaced; no change can be stored\n")
+                .ends_with("or replaced; no version is served\n")
         );
         // Passing: no line, and no problem in JSON.
         response.store = Some(pb::StoreState {

@@ -320,12 +320,13 @@ pub enum StoreError {
     },
     /// The store's file cannot be written, though it is still read: its file system is mounted
     /// read-only (as ext4 does after an error), or the file is marked immutable or append-only.
-    /// Found by [`VersionStore::check`] and before a publish, which then writes nothing: a
-    /// commit that failed on it would leave the file to be opened again, which such a file
-    /// system refuses, and reads would fail with it.
+    /// Found by [`VersionStore::check`] and before a publish, which then writes nothing; at
+    /// start, the open that failed on it says so. (A commit that fails on such a file leaves
+    /// the store reading a copy of it: see `RedbStore`.)
     #[error(
-        "the store file {} cannot be written ({why}): no change is stored until it can be; \
-         the versions stored are still read",
+        "the store file {} cannot be written ({why}): no change is stored until it can be \
+         (a file system an error turned read-only needs its repair, and a restart); the \
+         versions stored are still read",
         path.display()
     )]
     NotWritable {

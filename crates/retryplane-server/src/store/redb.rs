@@ -70,6 +70,14 @@
 //! restart. While the disk is still full, the reopen (which checks the whole file) is tried at
 //! most once every [`REOPEN_INTERVAL`]: the calls in between fail at once, without touching the
 //! file, with the error that says why the store is failing (the disk's, when the reopen failed).
+//!
+//! A reopen that fails (a full disk, where redb's recovery must write; a file system that the
+//! failed write turned read-only, where redb opens nothing for writing and its read-only open
+//! refuses a file that needs recovery) leaves the store reading a copy of the file in memory
+//! ([`open_copy`], recovered there as redb would the file): `history` and every version still
+//! read, as they were at the failure. Writes never go into the copy: each tries the file again
+//! (as often as reopens are), and fails while it cannot be opened; [`VersionStore::check`]
+//! fails meanwhile, and tries it too, so that the store recovers without a change.
 
 use retryplane_policy::diag::LogPath;
 use std::path::{Path, PathBuf};
@@ -194,6 +202,10 @@ struct Slot {
     /// The file the database was opened on, when known: a publish checks that the store's path
     /// still names it ([`RedbStore::check_file`]).
     file: Option<FileId>,
+    /// Whether `db` is a copy of the file in memory ([`open_copy`]), for reads only: the file
+    /// could not be opened again after an I/O error. A write tries the file first, and fails
+    /// while it cannot be opened.
+    copy: bool,
 }
 
 impl Slot {
@@ -280,6 +292,55 @@ fn lock_dir(_dir: &Path) -> Result<Option<std::fs::File>, StoreError> {
     Ok(None)
 }
 
+/// What a [`RedbStore::run`] op does with the database.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Use {
+    /// Reads only: a copy of the file ([`Slot::copy`]) serves it.
+    Read,
+    /// May write (or must see the file itself): never runs on a copy.
+    Write,
+}
+
+/// The largest store file [`open_copy`] copies into memory. Far above a store's usual size
+/// (about 17 KiB a version of a 1,000-endpoint file); past it, reads fail with the store.
+pub(super) const MAX_COPY_BYTES: u64 = 256 << 20;
+
+/// A copy of the store's file in memory, opened as a database there (redb recovers it as it
+/// would the file, in memory: the file is only read), for reads while the file cannot be
+/// opened. Fails on a file over [`MAX_COPY_BYTES`], or one that cannot be read or opened.
+pub(super) fn open_copy(path: &Path) -> Result<Database, StoreError> {
+    use redb::StorageBackend as _;
+    use std::io::Read as _;
+    let io = |source| StoreError::OpenFile {
+        path: path.to_owned(),
+        source,
+    };
+    let mut file = std::fs::File::open(path).map_err(io)?;
+    let len = file.metadata().map_err(io)?.len();
+    if len > MAX_COPY_BYTES {
+        return Err(StoreError::Backend(
+            format!(
+                "the store file is {len} bytes, over the {MAX_COPY_BYTES} a copy in memory may take"
+            )
+            .into(),
+        ));
+    }
+    let copy = redb::backends::InMemoryBackend::new();
+    copy.set_len(len).map_err(io)?;
+    let mut chunk = vec![0; 1 << 20];
+    let mut offset = 0;
+    loop {
+        let read = file.read(&mut chunk).map_err(io)?;
+        if read == 0 {
+            break;
+        }
+        copy.write(offset, &chunk[..read]).map_err(io)?;
+        offset += read as u64;
+    }
+    open_watched(path, |builder| builder.create_with_backend(copy))
+        .map_err(|error| open_error(path.parent().unwrap_or(path), path, error))
+}
+
 /// redb with the integrity check on open, on an existing file (never one it would initialize).
 ///
 /// A file whose newest commit does not verify (its pages damaged after it was written, or a
@@ -288,9 +349,20 @@ fn lock_dir(_dir: &Path) -> Result<Option<std::fs::File>, StoreError> {
 /// else would: the fleet may have run the lost version (agents that did are warned of when they
 /// connect). An open that fails says why itself.
 fn open_file(path: &Path) -> Result<Database, DatabaseError> {
+    open_watched(path, |builder| builder.open(path))
+}
+
+/// Opens the store of the file at `path` with `open` on a builder with the integrity check on
+/// open and the store's cache, and warns (naming `path`) when redb fell back to the commit
+/// before the newest (see [`open_file`]).
+fn open_watched(
+    path: &Path,
+    open: impl FnOnce(&redb::Builder) -> Result<Database, DatabaseError>,
+) -> Result<Database, DatabaseError> {
     let fell_back = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let seen = fell_back.clone();
-    let db = Database::builder()
+    let mut builder = Database::builder();
+    builder
         .set_check_integrity_on_open(true)
         .set_cache_size(CACHE_BYTES)
         .set_repair_callback(move |session| {
@@ -302,8 +374,8 @@ fn open_file(path: &Path) -> Result<Database, DatabaseError> {
             if progress > 0.0 && progress < 0.6 {
                 seen.store(true, std::sync::atomic::Ordering::Relaxed);
             }
-        })
-        .open(path)?;
+        });
+    let db = open(&builder)?;
     if fell_back.load(std::sync::atomic::Ordering::Relaxed) {
         warn!(
             file = %LogPath(path),
@@ -356,7 +428,21 @@ impl RedbStore {
             Ok(_) => {}
         }
         refuse_blank(&path)?;
-        let db = open_db(&path).map_err(|error| open_error(dir, &path, error))?;
+        let db = open_db(&path).map_err(|error| match &error {
+            // A file that cannot be written (a read-only file system, an immutable mark) is
+            // refused saying which, rather than with the system's "Operation not permitted".
+            DatabaseError::Storage(StorageError::Io(io))
+                if matches!(
+                    io.kind(),
+                    std::io::ErrorKind::PermissionDenied | std::io::ErrorKind::ReadOnlyFilesystem
+                ) =>
+            {
+                writable(&path)
+                    .err()
+                    .unwrap_or_else(|| open_error(dir, &path, error))
+            }
+            _ => open_error(dir, &path, error),
+        })?;
         let file = file_id(&path).ok().flatten();
         let store = Self {
             db: RwLock::new(Slot {
@@ -365,6 +451,7 @@ impl RedbStore {
                 reopened_at: None,
                 failing: None,
                 file,
+                copy: false,
             }),
             path,
             dir: dir.to_owned(),
@@ -373,8 +460,8 @@ impl RedbStore {
             disk_bytes: std::sync::atomic::AtomicU64::new(0),
             created,
         };
-        store.run(create_missing_tables)?;
-        store.run(check)?;
+        store.run(Use::Write, create_missing_tables)?;
+        store.run(Use::Read, check)?;
         store.note_size();
         // Only now: the open holds the file's lock, so no other server is building a store here
         // that it could use. Where a link put the store, its new stores were built there.
@@ -410,11 +497,18 @@ impl RedbStore {
     }
 
     /// Runs `op` on the database; after redb's "previous I/O error", reopens the database and
-    /// runs `op` once more, at most once every [`REOPEN_INTERVAL`] (see the module docs).
-    fn run<T>(&self, op: impl Fn(&Database) -> Result<T, StoreError>) -> Result<T, StoreError> {
+    /// runs `op` once more, at most once every [`REOPEN_INTERVAL`] (see the module docs). An op
+    /// that may write ([`Use::Write`]) never runs on a copy of the file ([`Slot::copy`]): it
+    /// tries the file again first (as often), and fails while the file cannot be opened.
+    fn run<T>(
+        &self,
+        use_: Use,
+        op: impl Fn(&Database) -> Result<T, StoreError>,
+    ) -> Result<T, StoreError> {
         let (generation, previous_io) = {
             let slot = self.db.read().unwrap_or_else(PoisonError::into_inner);
             match &slot.db {
+                Some(_) if slot.copy && use_ == Use::Write => (slot.generation, None),
                 Some(db) => match op(db) {
                     Err(error) if is_previous_io(&error) => (slot.generation, Some(error)),
                     done => return done,
@@ -425,6 +519,9 @@ impl RedbStore {
         self.reopen(generation, previous_io)?;
         let slot = self.db.read().unwrap_or_else(PoisonError::into_inner);
         match &slot.db {
+            // The file still cannot be opened (a write never goes into the copy: it would be
+            // acknowledged and lost).
+            Some(_) if slot.copy && use_ == Use::Write => Err(failing(&slot)),
             Some(db) => op(db),
             // Another call's reopen failed in between; a call after the interval tries again.
             None => Err(failing(&slot)),
@@ -496,14 +593,38 @@ impl RedbStore {
         slot.close();
         match (self.open_db)(&self.path) {
             Ok(db) => {
+                if slot.copy {
+                    info!(file = %LogPath(&self.path), "the version store's file opens again; changes are stored in it again");
+                }
                 slot.db = Some(db);
+                slot.copy = false;
                 slot.failing = None;
                 slot.file = file_id(&self.path).ok().flatten();
                 Ok(())
             }
             Err(error) => {
-                slot.failing = Some(Arc::new(open_error(&self.dir, &self.path, error)));
-                Err(failing(&slot))
+                let error = open_error(&self.dir, &self.path, error);
+                // Reads go on from a copy of the file: on a file system turned read-only (as
+                // ext4 does when a commit's write fails), the file still reads, but redb opens
+                // it for writing only, and its read-only open refuses a file that needs the
+                // recovery a failed commit leaves it in.
+                match open_copy(&self.path) {
+                    Ok(copy) => {
+                        if !slot.copy {
+                            warn!(file = %LogPath(&self.path), error = %crate::ErrorChain(&error), "the version store's file cannot be opened again after an I/O error: its versions are read from a copy in memory, and no change is stored until the file opens again");
+                        }
+                        slot.db = Some(copy);
+                        slot.copy = true;
+                        slot.failing = Some(Arc::new(error));
+                        Ok(())
+                    }
+                    Err(copy_error) => {
+                        debug!(file = %LogPath(&self.path), error = %crate::ErrorChain(&copy_error), "no copy of the version store's file for reads");
+                        slot.copy = false;
+                        slot.failing = Some(Arc::new(error));
+                        Err(failing(&slot))
+                    }
+                }
             }
         }
     }
@@ -522,7 +643,7 @@ fn failing(slot: &Slot) -> StoreError {
 
 impl VersionStore for RedbStore {
     fn current(&self) -> Result<Option<VersionRecord>, StoreError> {
-        self.run(|db| {
+        self.run(Use::Read, |db| {
             let txn = db.begin_read().map_err(backend)?;
             let versions = txn.open_table(VERSIONS).map_err(backend)?;
             let meta = txn.open_table(META).map_err(backend)?;
@@ -531,7 +652,7 @@ impl VersionStore for RedbStore {
     }
 
     fn get(&self, version: u64) -> Result<Option<VersionRecord>, StoreError> {
-        self.run(|db| {
+        self.run(Use::Read, |db| {
             let txn = db.begin_read().map_err(backend)?;
             let versions = txn.open_table(VERSIONS).map_err(backend)?;
             read_record(&versions, version)
@@ -539,7 +660,7 @@ impl VersionStore for RedbStore {
     }
 
     fn history(&self, limit: usize, before: Option<u64>) -> Result<Vec<VersionMeta>, StoreError> {
-        self.run(|db| {
+        self.run(Use::Read, |db| {
             let txn = db.begin_read().map_err(backend)?;
             let versions = txn.open_table(VERSIONS).map_err(backend)?;
             let count = usize::try_from(versions.len().map_err(backend)?).unwrap_or(usize::MAX);
@@ -568,7 +689,9 @@ impl VersionStore for RedbStore {
         let stored = compress_document(&new.document.encode_to_vec())?;
         let committing = std::cell::Cell::new(false);
         // A call redb refused before committing anything may run twice (see `run`).
-        let published = self.run(|db| publish_in(db, &new, &stored, expected, &committing));
+        let published = self.run(Use::Write, |db| {
+            publish_in(db, &new, &stored, expected, &committing)
+        });
         if let Err(error) = &published
             && committing.get()
         {
@@ -582,7 +705,9 @@ impl VersionStore for RedbStore {
         self.note_size();
         self.check_file()?;
         writable(&self.path)?;
-        self.run(|db| {
+        // As a write: a store read from a copy of its file fails the check, and tries the file
+        // again (at most once every `REOPEN_INTERVAL`), so that its recovery is seen.
+        self.run(Use::Write, |db| {
             let txn = db.begin_read().map_err(backend)?;
             let meta = txn.open_table(META).map_err(backend)?;
             read_current(&meta).map(drop)
@@ -625,11 +750,14 @@ fn writable(path: &Path) -> Result<(), StoreError> {
             }
         }
         // A file system an error turned read-only keeps its mount flags: an unnamed file made
-        // beside the store (gone when closed, never in the directory) is refused on it. Where
-        // the file system has no unnamed files, nothing is learnt.
+        // beside the store (gone when closed, never in the directory) is refused on it. Only
+        // where the directory is on the file's own file system: a file mounted on its own (a
+        // Kubernetes `subPath`, a Docker file volume) may be writable in a read-only directory.
+        // Where the file system has no unnamed files, nothing is learnt.
         let dir = std::fs::canonicalize(path)
             .ok()
-            .and_then(|real| real.parent().map(Path::to_owned));
+            .and_then(|real| real.parent().map(Path::to_owned))
+            .filter(|dir| same_file_system(path, dir));
         if let Some(dir) = dir
             && let Err(rustix::io::Errno::ROFS) = rustix::fs::open(
                 &dir,
@@ -643,6 +771,17 @@ fn writable(path: &Path) -> Result<(), StoreError> {
         }
     }
     Ok(())
+}
+
+/// Whether `a` and `b` (links followed) are on one file system (one device); false when either
+/// cannot be read.
+#[cfg(unix)]
+fn same_file_system(a: &Path, b: &Path) -> bool {
+    use std::os::unix::fs::MetadataExt as _;
+    match (std::fs::metadata(a), std::fs::metadata(b)) {
+        (Ok(a), Ok(b)) => a.dev() == b.dev(),
+        _ => false,
+    }
 }
 
 /// See the Unix [`writable`]: elsewhere a write says what is wrong.

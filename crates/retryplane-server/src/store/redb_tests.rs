@@ -718,7 +718,14 @@ fn a_store_file_marked_immutable_refuses_changes_until_the_mark_is_gone() {
     assert!(immutable(&refused), "{refused:?}");
     assert_eq!(store.history(0, None).unwrap().len(), 1);
     assert_eq!(store.get(1).unwrap().unwrap().meta.version, 1);
+    // A restart meanwhile is refused, saying why.
+    drop(store);
+    let Err(refused) = RedbStore::open(dir.path()) else {
+        panic!("opened an immutable store file");
+    };
+    assert!(immutable(&refused), "{refused:?}");
     drop(mark);
+    let store = RedbStore::open(dir.path()).unwrap();
     store.check().unwrap();
     assert_eq!(publish_new(&store, "b"), 2);
 }
@@ -808,42 +815,75 @@ async fn a_failing_store_is_reopened_at_most_once_an_interval_and_recovers_after
         .publish(version_of("b", Source::File), None)
         .unwrap_err();
     assert!(says_no_space(&failed), "{failed:?}");
-    // Calls in quick succession, while the disk is full: the first (a write: reads still work
-    // on the database until it is reopened) reopens, and fails, the disk still full; the others
-    // fail at once with the same error, saying why.
+    // Calls in quick succession, while the disk is full: the first reopens the file, which
+    // fails, the disk still full, and reads go on from a copy of the file in memory, as it
+    // was; writes fail at once with the disk's error, saying why, and never go into the copy.
     for call in 0..10 {
-        let error = match call % 3 {
-            0 => store
-                .publish(version_of("b", Source::File), None)
-                .map(|_| ())
-                .unwrap_err(),
-            1 => store.current().map(|_| ()).unwrap_err(),
-            _ => store.history(0, None).map(|_| ()).unwrap_err(),
-        };
-        assert!(matches!(error, StoreError::Backend(_)), "{error:?}");
-        assert!(says_no_space(&error), "call {call}: {error:?}");
-        assert!(
-            crate::ErrorChain(&error)
-                .to_string()
-                .contains("reopened at most once every 1000 ms"),
-            "call {call}: {error:?}"
-        );
+        match call % 3 {
+            0 => {
+                let error = store
+                    .publish(version_of("b", Source::File), None)
+                    .map(|_| ())
+                    .unwrap_err();
+                assert!(matches!(error, StoreError::Backend(_)), "{error:?}");
+                assert!(says_no_space(&error), "call {call}: {error:?}");
+                assert!(
+                    crate::ErrorChain(&error)
+                        .to_string()
+                        .contains("reopened at most once every 1000 ms"),
+                    "call {call}: {error:?}"
+                );
+            }
+            1 => assert_eq!(store.current().unwrap().unwrap().meta.version, 1),
+            _ => assert_eq!(store.history(0, None).unwrap().len(), 1),
+        }
     }
+    assert_eq!(store.get(1).unwrap().unwrap().meta.version, 1);
     assert_eq!(opens.load(Ordering::SeqCst), 2, "one reopen");
+    let failed = store.check().unwrap_err();
+    assert!(
+        says_no_space(&failed),
+        "the check fails on the copy: {failed:?}"
+    );
 
-    // Room again, but within the interval: still refused, without a reopen.
+    // Room again, but within the interval: writes still refused, without a reopen.
     full.store(false, Ordering::SeqCst);
     tokio::time::advance(REOPEN_INTERVAL - std::time::Duration::from_millis(1)).await;
-    let error = store.current().unwrap_err();
+    let error = store
+        .publish(version_of("b", Source::File), None)
+        .unwrap_err();
     assert!(says_no_space(&error), "{error:?}");
     assert_eq!(opens.load(Ordering::SeqCst), 2);
 
-    // After the interval: one reopen, and the store works again.
+    // After the interval: the check opens the file again, and the store works again.
     tokio::time::advance(std::time::Duration::from_millis(1)).await;
+    store.check().unwrap();
+    assert_eq!(opens.load(Ordering::SeqCst), 3);
     assert_eq!(store.current().unwrap().unwrap().meta.version, 1);
     assert_eq!(publish_new(&store, "b"), 2);
     assert_eq!(store.history(0, None).unwrap().len(), 2);
     assert_eq!(opens.load(Ordering::SeqCst), 3);
+}
+
+/// A store whose file cannot be opened again after a failed commit, and that is over the
+/// size a copy in memory may take, fails its reads as before (rather than holding the file in
+/// memory).
+#[test]
+fn no_copy_is_made_of_a_file_over_its_limit() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("big");
+    let file = std::fs::File::create(&path).unwrap();
+    file.set_len(super::redb::MAX_COPY_BYTES + 1).unwrap();
+    let Err(error) = super::redb::open_copy(&path) else {
+        panic!("a copy of a file over the limit");
+    };
+    assert!(error.to_string().contains("backend failed"), "{error}");
+    assert!(
+        crate::ErrorChain(&error)
+            .to_string()
+            .contains("a copy in memory may take"),
+        "{error:?}"
+    );
 }
 
 /// The names of the files in `dir`, sorted.
