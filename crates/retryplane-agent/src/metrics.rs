@@ -113,7 +113,8 @@ counters!(
     /// Logical calls (SPEC §4): one per call, however many attempts, counted even when
     /// nothing was sent (an open breaker refused it).
     calls,
-    /// Attempts sent to the upstream (first tries and retries).
+    /// Attempts made (first tries and retries): requests handed to the upstream's client, one
+    /// it refused to send included.
     attempts,
     /// Attempts after the first.
     retries,
