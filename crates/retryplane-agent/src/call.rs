@@ -21,6 +21,7 @@
 use std::collections::HashMap;
 use std::future::Future;
 use std::pin::{Pin, pin};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
@@ -28,6 +29,7 @@ use arc_swap::ArcSwapOption;
 use retryplane_policy::breaker::CircuitBreaker;
 use retryplane_policy::diag::LogValue;
 use retryplane_policy::engine::{CallInfo, Decision, GiveUpCause, Outcome, RetryCall, RetryRules};
+use retryplane_policy::model::RetryPolicy;
 use retryplane_policy::retry_after::RetryAfterError;
 use retryplane_policy::rng::{Rng, SeededRng};
 use tokio::time::Instant;
@@ -41,7 +43,7 @@ use crate::meta::{AttemptInfo, CallMeta};
 use crate::metrics::{CounterValues, Counters, Registry};
 use crate::per_try;
 use crate::ready::{AlwaysReady, Readied, Ready, open_now, refuses_now, wait_ready};
-use crate::snapshot::Entry;
+use crate::snapshot::{Entry, Runtime};
 
 /// A cheap handle on one logical upstream: clone it freely and keep it. It keeps the agent's
 /// background task running, so policy pushes reach it and its counts are reported even when the
@@ -248,6 +250,7 @@ impl Endpoint {
         Begun {
             at: Instant::now(),
             entry: self.entry(),
+            route: AtomicUsize::new(UNRESOLVED),
         }
     }
 
@@ -457,8 +460,12 @@ impl Endpoint {
         async move {
             // The call's start, from which its deadline runs, its first attempt's, and the one
             // read of the policies for this call.
-            let (started, first_start, entry) = start.read(self);
-            let (policy, runtime) = entry.resolve(&meta.target());
+            let (started, first_start, entry, route) = start.read(self);
+            let (policy, runtime) = match route {
+                // The tower layer's call, whose earlier steps matched its route.
+                Some(route) => entry.resolve_at(route),
+                None => entry.resolve(&meta.target()),
+            };
             let (idempotent, has_idempotency_key) = meta.idempotency(policy);
             let info =
                 CallInfo::new(idempotent, has_idempotency_key).with_replayable(meta.replayable());
@@ -985,14 +992,22 @@ impl Endpoint {
 pub(crate) struct Begun {
     at: Instant,
     entry: Arc<Entry>,
+    /// The route the call's target takes in `entry` ([`Entry::route_of`]), once a step has
+    /// asked ([`UNRESOLVED`] until then): the steps of one call all ask for the same target
+    /// (its method and path do not change), and matching it again at each took about 7 % of
+    /// the layer's instructions (BENCHMARKS.md, "Agent: the tower layer").
+    route: AtomicUsize,
 }
+
+/// [`Begun::route`] before any step asked.
+const UNRESOLVED: usize = usize::MAX;
 
 impl Begun {
     /// When a call described by `meta` must be over: what its [`AttemptInfo::deadline`] will
     /// say (the policy's deadline or the caller's shorter one, [`CallMeta::deadline_within`],
     /// computed as the engine does, [`retryplane_policy::engine::deadline_at`]).
     pub(crate) fn deadline(&self, meta: &CallMeta<'_>) -> Instant {
-        let (policy, _) = self.entry.resolve(&meta.target());
+        let (policy, _) = self.resolve(meta);
         let within = meta
             .within()
             .map_or(policy.deadline, |w| w.min(policy.deadline));
@@ -1004,11 +1019,29 @@ impl Begun {
         self.at
     }
 
+    /// The policy of the call described by `meta` and the endpoint's state, its route matched
+    /// at the first ask only. Every step of a call describes it alike (see [`Begun::route`]).
+    fn resolve(&self, meta: &CallMeta<'_>) -> (&RetryPolicy, &Runtime) {
+        self.entry.resolve_at(self.route_of(meta))
+    }
+
+    /// [`Begun::route`], matched now if no step has asked yet.
+    fn route_of(&self, meta: &CallMeta<'_>) -> usize {
+        match self.route.load(Ordering::Relaxed) {
+            UNRESOLVED => {
+                let route = self.entry.route_of(&meta.target());
+                self.route.store(route, Ordering::Relaxed);
+                route
+            }
+            route => route,
+        }
+    }
+
     /// What decides whether an answer to a call described by `meta` (an HTTP status, a gRPC
     /// code) may be retried, if one ever may: the call is idempotent or carries the idempotency
     /// key, and can be replayed; `None` otherwise (only a failed connect is retried then).
     pub(crate) fn retry_rules(&self, meta: &CallMeta<'_>) -> Option<RetryRules> {
-        let (policy, _) = self.entry.resolve(&meta.target());
+        let (policy, _) = self.resolve(meta);
         let (idempotent, keyed) = meta.idempotency(policy);
         let info = CallInfo::new(idempotent, keyed).with_replayable(meta.replayable());
         ((idempotent || keyed) && meta.replayable()).then(|| RetryRules::new(policy, info))
@@ -1018,23 +1051,24 @@ impl Begun {
     /// refuse the call's attempts ([`CircuitBreaker::would_refuse`] asks without taking a
     /// probe).
     pub(crate) fn breaker(&self, meta: &CallMeta<'_>) -> Option<&CircuitBreaker> {
-        let (policy, runtime) = self.entry.resolve(&meta.target());
+        let (policy, runtime) = self.resolve(meta);
         runtime.breaker_for(policy)
     }
 
     /// Whether a call described by `meta` is idempotent: its method listed for its route, or
     /// declared so (the idempotency key does not count).
     pub(crate) fn is_idempotent(&self, meta: &CallMeta<'_>) -> bool {
-        let (policy, _) = self.entry.resolve(&meta.target());
+        let (policy, _) = self.resolve(meta);
         meta.idempotency(policy).0
     }
 }
 
 /// How [`Endpoint::call_reauth`] learns when its call began and which entry it goes by.
 pub(crate) trait Start {
-    /// The call's start (its deadline runs from there), its first attempt's start, and the
-    /// endpoint's entry the call holds from start to end.
-    fn read(self, endpoint: &Endpoint) -> (Instant, Instant, Arc<Entry>);
+    /// The call's start (its deadline runs from there), its first attempt's start, the
+    /// endpoint's entry the call holds from start to end, and the route its target takes in
+    /// that entry when already known ([`Entry::route_of`]).
+    fn read(self, endpoint: &Endpoint) -> (Instant, Instant, Arc<Entry>, Option<usize>);
 }
 
 /// A call that begins when its future first runs: one clock read for both starts, and the
@@ -1044,15 +1078,16 @@ pub(crate) struct Now;
 
 impl Start for Now {
     #[inline]
-    fn read(self, endpoint: &Endpoint) -> (Instant, Instant, Arc<Entry>) {
+    fn read(self, endpoint: &Endpoint) -> (Instant, Instant, Arc<Entry>, Option<usize>) {
         let now = Instant::now();
-        (now, now, endpoint.entry())
+        (now, now, endpoint.entry(), None)
     }
 }
 
 impl Start for Begun {
-    fn read(self, _: &Endpoint) -> (Instant, Instant, Arc<Entry>) {
-        (self.at, Instant::now().max(self.at), self.entry)
+    fn read(self, _: &Endpoint) -> (Instant, Instant, Arc<Entry>, Option<usize>) {
+        let route = Some(self.route.into_inner()).filter(|&r| r != UNRESOLVED);
+        (self.at, Instant::now().max(self.at), self.entry, route)
     }
 }
 
@@ -1406,6 +1441,49 @@ mod tests {
         assert_eq!(sent.into_inner(), 0);
         let counts = ep.pending_counts();
         assert_eq!((counts.circuit_open, counts.attempts), (1, 0));
+    }
+
+    /// A call begun by the tower layer matches its route at its first step and keeps it: its
+    /// later steps and its attempts run under that route's policy, as they would matching it
+    /// again.
+    #[tokio::test(start_paused = true)]
+    async fn a_begun_call_keeps_the_route_its_first_step_matched() {
+        let yaml = "version: 1\nendpoints:\n  a:\n    max_attempts: 2\n    routes:\n      - match: {path_prefix: /v1/other}\n        max_attempts: 5\n      - match: {path_prefix: /v1/charges}\n        max_attempts: 4\n        deadline: 3s\n";
+        let set = retryplane_policy::load(yaml.as_bytes()).policies.unwrap();
+        let agent = Agent::from_policies_seeded(set, 1);
+        let ep = agent.endpoint("a");
+        for (path, route, attempts) in [("/v1/charges/9", 1, 4), ("/v2/x", 2, 2)] {
+            let begun = ep.begin();
+            let meta = CallMeta::http("GET", path);
+            assert_eq!(begun.route.load(Ordering::Relaxed), UNRESOLVED);
+            let deadline = begun.deadline(&meta);
+            assert_eq!(begun.route.load(Ordering::Relaxed), route, "{path}");
+            let (policy, _) = begun.entry.resolve(&meta.target());
+            assert_eq!(deadline, begun.at() + policy.deadline, "{path}");
+            assert_eq!(begun.resolve(&meta).0.max_attempts, attempts, "{path}");
+            let sent = std::sync::atomic::AtomicU32::new(0);
+            let result: Result<(), CallError<(), &str>> = ep
+                .call_reauth(
+                    begun,
+                    meta,
+                    |_: &Result<(), &str>| {
+                        Classification::Outcome(Outcome::Http {
+                            status: 503,
+                            retry_after: None,
+                        })
+                    },
+                    |_| {
+                        sent.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                        std::future::ready(Err("503"))
+                    },
+                    NoReauth,
+                    crate::ready::AlwaysReady,
+                    KeepAsIs,
+                )
+                .await;
+            assert!(result.is_err());
+            assert_eq!(sent.into_inner(), attempts, "{path}");
+        }
     }
 
     /// Puts `set` in force as version `version` of the control plane's policies, as a push

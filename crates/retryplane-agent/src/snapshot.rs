@@ -370,6 +370,25 @@ impl Entry {
         };
         (policy, &self.runtime)
     }
+
+    /// Which of the entry's policies a call aimed at `target` takes, for
+    /// [`Entry::resolve_at`]: a call that asks several times matches its route once.
+    pub(crate) fn route_of(&self, target: &Target<'_>) -> usize {
+        match &self.policy {
+            EntryPolicy::Named(p) => p.resolve_index(target),
+            EntryPolicy::Defaults(_) => 0,
+        }
+    }
+
+    /// [`Entry::resolve`] of the target [`Entry::route_of`] gave `route` for.
+    #[inline]
+    pub(crate) fn resolve_at(&self, route: usize) -> (&RetryPolicy, &Runtime) {
+        let policy = match &self.policy {
+            EntryPolicy::Named(p) => p.policy_at(route),
+            EntryPolicy::Defaults(p) => p,
+        };
+        (policy, &self.runtime)
+    }
 }
 
 /// One immutable version of the agent's policies. Its `Debug` names the version, hash, source

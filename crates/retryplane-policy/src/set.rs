@@ -62,6 +62,39 @@ impl EndpointPolicy {
         &self.policy
     }
 
+    /// Which of the endpoint's policies [`EndpointPolicy::resolve`] gives for `target`: a
+    /// route's index, or `routes.len()` for the endpoint's own; [`EndpointPolicy::policy_at`]
+    /// gives that policy back without matching again. For a caller that asks for one target's
+    /// policy several times (the agent's tower layer, once per step of a call).
+    pub fn resolve_index(&self, target: &Target<'_>) -> usize {
+        let served;
+        let target = match *target {
+            Target::Http { method, path }
+                if !self.routes.is_empty() && crate::uri_path::may_be_served_as_another(path) =>
+            {
+                served = crate::uri_path::as_served(path);
+                Target::Http {
+                    method,
+                    path: &served,
+                }
+            }
+            other => other,
+        };
+        self.routes
+            .iter()
+            .position(|route| route.matcher.matches(&target))
+            .unwrap_or(self.routes.len())
+    }
+
+    /// The policy [`EndpointPolicy::resolve_index`] named: route `index`'s, or the endpoint's
+    /// own for any index past the routes.
+    #[inline]
+    pub fn policy_at(&self, index: usize) -> &Arc<RetryPolicy> {
+        self.routes
+            .get(index)
+            .map_or(&self.policy, |route| &route.policy)
+    }
+
     /// [`EndpointPolicy::resolve`] for a path that may be served as another: out of line, as
     /// few paths are.
     #[cold]

@@ -378,6 +378,39 @@ fn a_path_is_matched_as_the_server_serves_it() {
     }
 }
 
+/// `resolve_index` then `policy_at` gives what `resolve` gives, for every kind of target:
+/// routes matched as they are, as served (dot segments, `\`), by method, gRPC, and none.
+#[test]
+fn a_resolved_index_names_the_policy_resolve_gives() {
+    let src = "version: 1\nendpoints:\n  u:\n    max_attempts: 1\n    routes:\n      - match: {path_prefix: /v1/search}\n        max_attempts: 4\n      - match: {path_prefix: /v1.2/, method: GET}\n        max_attempts: 3\n      - match: {grpc: /pkg.S/M}\n        max_attempts: 5\n  plain: {max_attempts: 2}\n";
+    let set = load(src.as_bytes()).policies.unwrap();
+    let http = |method, path| Target::Http { method, path };
+    for name in ["u", "plain"] {
+        let endpoint = set.endpoint(name).unwrap();
+        for (target, index) in [
+            (http("POST", "/v1/search/x"), 0),
+            (http("POST", "/v1/search/../charges"), 3),
+            (http("POST", "/v1/charges/../search"), 0),
+            (http("GET", "/a/../v1.2/b.json"), 1),
+            (http("POST", "/v1.2/b.json"), 3),
+            (Target::Grpc { path: "/pkg.S/M" }, 2),
+            (Target::Grpc { path: "/pkg.S/N" }, 3),
+            (Target::Endpoint, 3),
+        ] {
+            let found = endpoint.resolve_index(&target);
+            assert!(
+                Arc::ptr_eq(endpoint.policy_at(found), endpoint.resolve(&target)),
+                "{name} {target:?}"
+            );
+            if name == "u" {
+                assert_eq!(found, index, "{target:?}");
+            } else {
+                assert_eq!(found, 0, "no routes: {target:?}");
+            }
+        }
+    }
+}
+
 #[test]
 fn yes_and_on_are_strings_a_boolean_field_refuses_them_and_an_endpoint_may_have_the_name() {
     let src = "version: 1\nendpoints:\n  a:\n    retry_after: {honor: yes}\n    budget: {enabled: off}\n    circuit_breaker: {enabled: 1}\n";
