@@ -532,7 +532,8 @@ impl ControlPlane {
         if !dry_run {
             // A change that failed in the store shows in `status` at once, and one stored
             // clears a failure the checks saw (a change refused before the store asks too:
-            // a check is cheap).
+            // a check is a few system calls and a read, and a store read from a copy of its
+            // file tries the file at most once a second).
             self.store_health.check_soon();
         }
         result
@@ -1011,7 +1012,8 @@ impl Commit {
 
 /// After a store write that failed: whether it stored the version with content `hash` after
 /// all (the store's current version has that content and is newer than what is served), and
-/// that record if so. A newer current version with other content is published at once (see
+/// that record if so. The store's own file is read ([`VersionStore::current_in_file`]), never
+/// a copy in memory, which may hold a commit whose flush failed. A newer current version with other content is published at once (see
 /// [`Fanout::catch_up`]). The store is read once here; if that read fails too (a store that
 /// failed is reopened at most once every [`REOPEN_INTERVAL`]), a task reads it again every
 /// interval for [`CATCH_UP_TRIES`] intervals and publishes what it finds, so that what agents
@@ -1025,7 +1027,7 @@ async fn committed_anyway(
     changes: &Arc<Mutex<()>>,
 ) -> AfterFailure {
     let reader = store.clone();
-    let current = tokio::task::spawn_blocking(move || reader.current()).await;
+    let current = tokio::task::spawn_blocking(move || reader.current_in_file()).await;
     match current {
         Ok(Ok(Some(record))) => {
             let served = fanout.publisher.current().map_or(0, |s| s.version);
@@ -1046,7 +1048,7 @@ async fn committed_anyway(
                     tokio::time::sleep(REOPEN_INTERVAL).await;
                     let _one_at_a_time = changes.lock().await;
                     let reader = store.clone();
-                    match tokio::task::spawn_blocking(move || reader.current()).await {
+                    match tokio::task::spawn_blocking(move || reader.current_in_file()).await {
                         Ok(Ok(Some(record))) => {
                             fanout.catch_up(&record);
                             return;

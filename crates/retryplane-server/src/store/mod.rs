@@ -349,6 +349,14 @@ pub trait VersionStore: Send + Sync + 'static {
     /// The current version, or `None` for an empty store.
     fn current(&self) -> Result<Option<VersionRecord>, StoreError>;
 
+    /// [`VersionStore::current`] as the store's own file holds it, never as a copy of it
+    /// read through the page cache (which the embedded store reads from while its file cannot
+    /// be opened, and which may hold a commit whose flush failed): what a failed commit left
+    /// stored. Fails while the file cannot be opened.
+    fn current_in_file(&self) -> Result<Option<VersionRecord>, StoreError> {
+        self.current()
+    }
+
     /// A stored version, or `None` if it does not exist.
     fn get(&self, version: u64) -> Result<Option<VersionRecord>, StoreError>;
 

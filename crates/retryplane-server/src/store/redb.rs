@@ -75,9 +75,13 @@
 //! failed write turned read-only, where redb opens nothing for writing and its read-only open
 //! refuses a file that needs recovery) leaves the store reading a copy of the file in memory
 //! ([`open_copy`], recovered there as redb would the file): `history` and every version still
-//! read, as they were at the failure. Writes never go into the copy: each tries the file again
-//! (as often as reopens are), and fails while it cannot be opened; [`VersionStore::check`]
-//! fails meanwhile, and tries it too, so that the store recovers without a change.
+//! read, as the page cache held them at the failure (which may include the commit whose flush
+//! failed). Writes never go into the copy, nor does the read-back of a failed commit
+//! ([`VersionStore::current_in_file`]), which must see what is on disk: each tries the file
+//! again (as often as reopens are), and fails while it cannot be opened. [`VersionStore::check`]
+//! fails meanwhile, and tries the file too, so that the store goes back to it without a change
+//! once it opens (a full disk with room again; a file system an error turned read-only needs
+//! its repair, and a restart).
 
 use retryplane_policy::diag::LogPath;
 use std::path::{Path, PathBuf};
@@ -292,13 +296,15 @@ fn lock_dir(_dir: &Path) -> Result<Option<std::fs::File>, StoreError> {
     Ok(None)
 }
 
-/// What a [`RedbStore::run`] op does with the database.
+/// What a [`RedbStore::run`] op may run on.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Use {
-    /// Reads only: a copy of the file ([`Slot::copy`]) serves it.
-    Read,
-    /// May write (or must see the file itself): never runs on a copy.
-    Write,
+    /// A read a copy of the file ([`Slot::copy`]) may serve.
+    Copy,
+    /// A write, or a read that must see the file itself (what a failed commit left on disk):
+    /// never runs on a copy, which is read through the page cache and may hold a commit whose
+    /// flush failed.
+    File,
 }
 
 /// The largest store file [`open_copy`] copies into memory. Far above a store's usual size
@@ -460,8 +466,8 @@ impl RedbStore {
             disk_bytes: std::sync::atomic::AtomicU64::new(0),
             created,
         };
-        store.run(Use::Write, create_missing_tables)?;
-        store.run(Use::Read, check)?;
+        store.run(Use::File, create_missing_tables)?;
+        store.run(Use::Copy, check)?;
         store.note_size();
         // Only now: the open holds the file's lock, so no other server is building a store here
         // that it could use. Where a link put the store, its new stores were built there.
@@ -498,8 +504,9 @@ impl RedbStore {
 
     /// Runs `op` on the database; after redb's "previous I/O error", reopens the database and
     /// runs `op` once more, at most once every [`REOPEN_INTERVAL`] (see the module docs). An op
-    /// that may write ([`Use::Write`]) never runs on a copy of the file ([`Slot::copy`]): it
-    /// tries the file again first (as often), and fails while the file cannot be opened.
+    /// on the file itself ([`Use::File`]: a write, or a read of what is on disk) never runs on
+    /// a copy of the file ([`Slot::copy`]): it tries the file again first (as often), and fails
+    /// while the file cannot be opened.
     fn run<T>(
         &self,
         use_: Use,
@@ -508,7 +515,7 @@ impl RedbStore {
         let (generation, previous_io) = {
             let slot = self.db.read().unwrap_or_else(PoisonError::into_inner);
             match &slot.db {
-                Some(_) if slot.copy && use_ == Use::Write => (slot.generation, None),
+                Some(_) if slot.copy && use_ == Use::File => (slot.generation, None),
                 Some(db) => match op(db) {
                     Err(error) if is_previous_io(&error) => (slot.generation, Some(error)),
                     done => return done,
@@ -521,7 +528,7 @@ impl RedbStore {
         match &slot.db {
             // The file still cannot be opened (a write never goes into the copy: it would be
             // acknowledged and lost).
-            Some(_) if slot.copy && use_ == Use::Write => Err(failing(&slot)),
+            Some(_) if slot.copy && use_ == Use::File => Err(failing(&slot)),
             Some(db) => op(db),
             // Another call's reopen failed in between; a call after the interval tries again.
             None => Err(failing(&slot)),
@@ -643,7 +650,16 @@ fn failing(slot: &Slot) -> StoreError {
 
 impl VersionStore for RedbStore {
     fn current(&self) -> Result<Option<VersionRecord>, StoreError> {
-        self.run(Use::Read, |db| {
+        self.run(Use::Copy, |db| {
+            let txn = db.begin_read().map_err(backend)?;
+            let versions = txn.open_table(VERSIONS).map_err(backend)?;
+            let meta = txn.open_table(META).map_err(backend)?;
+            read_current_record(&versions, &meta)
+        })
+    }
+
+    fn current_in_file(&self) -> Result<Option<VersionRecord>, StoreError> {
+        self.run(Use::File, |db| {
             let txn = db.begin_read().map_err(backend)?;
             let versions = txn.open_table(VERSIONS).map_err(backend)?;
             let meta = txn.open_table(META).map_err(backend)?;
@@ -652,7 +668,7 @@ impl VersionStore for RedbStore {
     }
 
     fn get(&self, version: u64) -> Result<Option<VersionRecord>, StoreError> {
-        self.run(Use::Read, |db| {
+        self.run(Use::Copy, |db| {
             let txn = db.begin_read().map_err(backend)?;
             let versions = txn.open_table(VERSIONS).map_err(backend)?;
             read_record(&versions, version)
@@ -660,7 +676,7 @@ impl VersionStore for RedbStore {
     }
 
     fn history(&self, limit: usize, before: Option<u64>) -> Result<Vec<VersionMeta>, StoreError> {
-        self.run(Use::Read, |db| {
+        self.run(Use::Copy, |db| {
             let txn = db.begin_read().map_err(backend)?;
             let versions = txn.open_table(VERSIONS).map_err(backend)?;
             let count = usize::try_from(versions.len().map_err(backend)?).unwrap_or(usize::MAX);
@@ -689,7 +705,7 @@ impl VersionStore for RedbStore {
         let stored = compress_document(&new.document.encode_to_vec())?;
         let committing = std::cell::Cell::new(false);
         // A call redb refused before committing anything may run twice (see `run`).
-        let published = self.run(Use::Write, |db| {
+        let published = self.run(Use::File, |db| {
             publish_in(db, &new, &stored, expected, &committing)
         });
         if let Err(error) = &published
@@ -707,7 +723,7 @@ impl VersionStore for RedbStore {
         writable(&self.path)?;
         // As a write: a store read from a copy of its file fails the check, and tries the file
         // again (at most once every `REOPEN_INTERVAL`), so that its recovery is seen.
-        self.run(Use::Write, |db| {
+        self.run(Use::File, |db| {
             let txn = db.begin_read().map_err(backend)?;
             let meta = txn.open_table(META).map_err(backend)?;
             read_current(&meta).map(drop)

@@ -718,16 +718,49 @@ fn a_store_file_marked_immutable_refuses_changes_until_the_mark_is_gone() {
     assert!(immutable(&refused), "{refused:?}");
     assert_eq!(store.history(0, None).unwrap().len(), 1);
     assert_eq!(store.get(1).unwrap().unwrap().meta.version, 1);
-    // A restart meanwhile is refused, saying why.
+    // The mark gone, the running store takes changes again.
+    drop(mark);
+    store.check().unwrap();
+    assert_eq!(publish_new(&store, "b"), 2);
+    // A restart while the file is marked is refused, saying why.
     drop(store);
+    let file = std::fs::File::open(dir.path().join("retryplane.redb")).unwrap();
+    ioctl_setflags(&file, ioctl_getflags(&file).unwrap() | IFlags::IMMUTABLE).unwrap();
+    let mark = Unmark(file);
     let Err(refused) = RedbStore::open(dir.path()) else {
         panic!("opened an immutable store file");
     };
     assert!(immutable(&refused), "{refused:?}");
     drop(mark);
     let store = RedbStore::open(dir.path()).unwrap();
-    store.check().unwrap();
-    assert_eq!(publish_new(&store, "b"), 2);
+    assert_eq!(store.history(0, None).unwrap().len(), 2);
+}
+
+/// The read-back of a failed commit ([`VersionStore::current_in_file`]) never comes from a
+/// copy of the file in memory, which is read through the page cache and may hold a commit
+/// whose flush failed: it fails while the file cannot be opened, where `current` answers from
+/// the copy.
+#[tokio::test(start_paused = true)]
+async fn a_failed_commit_is_read_back_from_the_file_not_from_a_copy() {
+    let dir = tempfile::tempdir().unwrap();
+    let full = Arc::new(AtomicBool::new(false));
+    let opens = Arc::new(AtomicUsize::new(0));
+    let store = store_on_a_filling_disk(dir.path(), &full, &opens);
+    assert_eq!(publish_new(&store, "a"), 1);
+    full.store(true, Ordering::SeqCst);
+    store
+        .publish(version_of("b", Source::File), None)
+        .unwrap_err();
+    assert_eq!(
+        store.current().unwrap().unwrap().meta.version,
+        1,
+        "from the copy"
+    );
+    let error = store.current_in_file().unwrap_err();
+    assert!(says_no_space(&error), "{error:?}");
+    full.store(false, Ordering::SeqCst);
+    tokio::time::advance(REOPEN_INTERVAL).await;
+    assert_eq!(store.current_in_file().unwrap().unwrap().meta.version, 1);
 }
 
 /// A store reached through a symbolic link (the data directory's file linked to a volume) is
