@@ -54,6 +54,23 @@ impl VersionStore for Checked {
     }
 }
 
+/// A control plane over a [`Checked`] store, checked every `every` by [`spawn`]'s task until
+/// the sender turns true.
+fn checked_every(
+    every: Duration,
+) -> (
+    Arc<Checked>,
+    ControlPlane,
+    watch::Sender<bool>,
+    tokio::task::JoinHandle<()>,
+) {
+    let store = Arc::new(Checked::default());
+    let control = ControlPlane::for_tests(store.clone(), Mode::Api);
+    let (stop, stopped) = watch::channel(false);
+    let task = spawn(&control, PathBuf::from(FILE), every, stopped);
+    (store, control, stop, task)
+}
+
 /// Polls `done` every 10 ms for at most 10 s.
 async fn until(what: &str, done: impl Fn() -> bool) {
     for _ in 0..1_000 {
@@ -133,16 +150,8 @@ fn a_long_problem_is_kept_cut_at_1024_bytes_and_marked() {
 /// the failure.
 #[tokio::test]
 async fn the_store_is_checked_at_start_and_at_once_after_each_change() {
-    let store = Arc::new(Checked::default());
-    let control = ControlPlane::for_tests(store.clone(), Mode::Api);
-    let (stop, stopped) = watch::channel(false);
     // An hour between ticks: every check after the first is one a change asked for.
-    let task = spawn(
-        &control,
-        PathBuf::from(FILE),
-        Duration::from_secs(3_600),
-        stopped,
-    );
+    let (store, control, stop, task) = checked_every(Duration::from_secs(3_600));
     until("the first check", || {
         store.checks.load(Ordering::SeqCst) == 1
     })
@@ -190,15 +199,7 @@ async fn the_store_is_checked_at_start_and_at_once_after_each_change() {
 /// Without a change, a store that starts failing is seen at the next tick.
 #[tokio::test]
 async fn a_store_that_fails_between_changes_is_seen_at_the_next_tick() {
-    let store = Arc::new(Checked::default());
-    let control = ControlPlane::for_tests(store.clone(), Mode::Api);
-    let (stop, stopped) = watch::channel(false);
-    let task = spawn(
-        &control,
-        PathBuf::from(FILE),
-        Duration::from_millis(20),
-        stopped,
-    );
+    let (store, control, stop, task) = checked_every(Duration::from_millis(20));
     until("the first check", || {
         store.checks.load(Ordering::SeqCst) >= 1
     })
