@@ -390,6 +390,8 @@ fn a_resolved_index_names_the_policy_resolve_gives() {
         for (target, index) in [
             (http("POST", "/v1/search/x"), 0),
             (http("POST", "/v1/search/../charges"), 3),
+            (http("POST", "/v1/search/%2e%2E/charges"), 3),
+            (http("POST", "/v1\\search"), 0),
             (http("POST", "/v1/charges/../search"), 0),
             (http("GET", "/a/../v1.2/b.json"), 1),
             (http("POST", "/v1.2/b.json"), 3),

@@ -589,7 +589,15 @@ impl ControlPlane {
                     Some(loaded) => loaded,
                     None => convert::validate(document.clone()).map_err(ChangeError::Invalid)?,
                 };
-                let current = store.current()?;
+                // A change is judged against what the store's file holds, never against a copy
+                // in memory that may hold a commit whose flush failed (the same content sent
+                // again would find it "unchanged" and publish what is not stored); while the
+                // file cannot be opened, the change fails. A dry run may read the copy.
+                let current = if dry_run {
+                    store.current()?
+                } else {
+                    store.current_in_file()?
+                };
                 // A stale expected version is a conflict whatever the change holds: the caller
                 // must read the current version again before the rest of the checks mean anything.
                 // An empty store is version 0, as the store's own check has it.

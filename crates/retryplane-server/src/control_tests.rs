@@ -1405,3 +1405,96 @@ async fn the_publish_line_names_its_author_and_what_a_rollback_restored() {
         lines[2]
     );
 }
+
+/// A store read from a copy of its file in memory while the file cannot be opened (as the
+/// embedded store is after a failed commit): the copy holds a version the file does not (a
+/// commit whose flush failed, still in the page cache).
+#[derive(Default)]
+struct CopiedStore {
+    file: MemoryStore,
+    copy: MemoryStore,
+    /// Whether reads come from the copy, and the file cannot be opened.
+    on_copy: AtomicBool,
+}
+
+impl CopiedStore {
+    fn reads(&self) -> &MemoryStore {
+        if self.on_copy.load(Ordering::SeqCst) {
+            &self.copy
+        } else {
+            &self.file
+        }
+    }
+
+    fn file(&self) -> Result<&MemoryStore, StoreError> {
+        if self.on_copy.load(Ordering::SeqCst) {
+            Err(StoreError::Backend("the file cannot be opened".into()))
+        } else {
+            Ok(&self.file)
+        }
+    }
+}
+
+impl VersionStore for CopiedStore {
+    fn current(&self) -> Result<Option<VersionRecord>, StoreError> {
+        self.reads().current()
+    }
+
+    fn current_in_file(&self) -> Result<Option<VersionRecord>, StoreError> {
+        self.file()?.current()
+    }
+
+    fn get(&self, version: u64) -> Result<Option<VersionRecord>, StoreError> {
+        self.reads().get(version)
+    }
+
+    fn history(&self, limit: usize, before: Option<u64>) -> Result<Vec<VersionMeta>, StoreError> {
+        self.reads().history(limit, before)
+    }
+
+    fn publish(&self, new: NewVersion, expected: Option<u64>) -> Result<Published, StoreError> {
+        self.file()?.publish(new, expected)
+    }
+}
+
+/// The same content sent again after a failed commit (an operator's retry, the policy file
+/// read again) while the store reads a copy that holds that commit: judged against the copy,
+/// it was "unchanged" and the copy's version was published though the file does not hold it.
+/// It is judged against the file, and fails while the file cannot be opened.
+#[tokio::test]
+async fn a_change_is_judged_against_the_file_not_a_copy_that_holds_a_failed_commit() {
+    let store = Arc::new(CopiedStore::default());
+    let stored = |yaml: &str| {
+        let document = wire(yaml);
+        NewVersion {
+            content_hash: convert::content_hash(&document),
+            document,
+            source: Source::Admin,
+            author: None,
+            summary: String::new(),
+            created_unix_ms: 0,
+        }
+    };
+    store.file.publish(stored(V1), None).unwrap();
+    store.copy.publish(stored(V1), None).unwrap();
+    store.copy.publish(stored(V2), None).unwrap();
+    let control = ControlPlane::for_tests(store.clone(), Mode::Api);
+    control.publish_current().await.unwrap();
+    store.on_copy.store(true, Ordering::SeqCst);
+
+    let failed = control.apply(change(wire(V2))).await.unwrap_err();
+    assert!(matches!(failed, ChangeError::Store(_)), "{failed:?}");
+    assert_eq!(control.publisher.current().unwrap().version, 1);
+    // A dry run may read the copy.
+    let dry_run = ChangeRequest {
+        dry_run: true,
+        ..change(wire(V3))
+    };
+    assert!(control.apply(dry_run).await.unwrap().would_change);
+
+    store.on_copy.store(false, Ordering::SeqCst);
+    let outcome = control.apply(change(wire(V2))).await.unwrap();
+    assert!(outcome.changed);
+    assert_eq!(control.publisher.current().unwrap().version, 2);
+    assert_eq!(store.file.current().unwrap().unwrap().meta.version, 2);
+}

@@ -351,8 +351,8 @@ pub trait VersionStore: Send + Sync + 'static {
 
     /// [`VersionStore::current`] as the store's own file holds it, never as a copy of it
     /// read through the page cache (which the embedded store reads from while its file cannot
-    /// be opened, and which may hold a commit whose flush failed): what a failed commit left
-    /// stored. Fails while the file cannot be opened.
+    /// be opened, and which may hold a commit whose flush failed): what a change is judged
+    /// against, and what a failed commit left stored. Fails while the file cannot be opened.
     fn current_in_file(&self) -> Result<Option<VersionRecord>, StoreError> {
         self.current()
     }

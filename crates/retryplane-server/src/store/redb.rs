@@ -76,8 +76,9 @@
 //! refuses a file that needs recovery) leaves the store reading a copy of the file in memory
 //! ([`open_copy`], recovered there as redb would the file): `history` and every version still
 //! read, as the page cache held them at the failure (which may include the commit whose flush
-//! failed). Writes never go into the copy, nor does the read-back of a failed commit
-//! ([`VersionStore::current_in_file`]), which must see what is on disk: each tries the file
+//! failed). Writes never go into the copy, nor do the reads that must see what is on disk
+//! ([`VersionStore::current_in_file`]: the current version a change is judged against, and the
+//! read-back of a failed commit): each tries the file
 //! again (as often as reopens are), and fails while it cannot be opened. [`VersionStore::check`]
 //! fails meanwhile, and tries the file too, so that the store goes back to it without a change
 //! once it opens (a full disk with room again; a file system an error turned read-only needs
