@@ -90,7 +90,10 @@ fn a_failing_store_shows_in_the_gauge_and_the_state_and_in_the_log_when_its_prob
     assert_eq!(gauge.get(), 1);
     assert_eq!(health.state().failing, None);
     let file = Path::new(FILE);
-    let replaced = StoreError::FileReplaced { path: file.into() };
+    let replaced = StoreError::FileReplaced {
+        path: file.into(),
+        descriptor: None,
+    };
     health.note(file, Err(&replaced));
     assert_eq!(gauge.get(), 0);
     let first = health.state().failing.unwrap();

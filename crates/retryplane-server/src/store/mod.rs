@@ -309,14 +309,17 @@ pub enum StoreError {
     #[error(
         "the store file {} was deleted or replaced while the control plane ran: no change is \
          stored until it restarts on the file now at that path (this process still holds the \
-         old file open; if the removal was a mistake, copy it from /proc/{}/fd before the \
+         old file open; if the removal was a mistake, copy it from /proc/{}/fd{} before the \
          restart)",
         path.display(),
-        std::process::id()
+        std::process::id(),
+        descriptor.map_or_else(String::new, |fd| format!("/{fd}"))
     )]
     FileReplaced {
         /// The store's file.
         path: PathBuf,
+        /// The descriptor this process holds the old file open on, when found (Linux).
+        descriptor: Option<u64>,
     },
     /// The store's file cannot be written, though it is still read: its file system is mounted
     /// read-only (as ext4 does after an error), or the file is marked immutable or append-only.

@@ -229,6 +229,18 @@ impl Slot {
 /// A file's identity: its device and inode numbers.
 type FileId = (u64, u64);
 
+/// The descriptor under `/proc/self/fd` on which this process holds the file `id` open (the
+/// store's, deleted or replaced under it), so that the error can say where to copy it from.
+/// `None` where there is no `/proc`, or no such descriptor is found.
+fn descriptor_of(id: FileId) -> Option<u64> {
+    // Bounded: a process holds at most its open-file limit of descriptors.
+    let entries = std::fs::read_dir("/proc/self/fd").ok()?;
+    entries.flatten().find_map(|entry| {
+        let fd: u64 = entry.file_name().to_str()?.parse().ok()?;
+        (file_id(&entry.path()).ok()?? == id).then_some(fd)
+    })
+}
+
 /// The identity of the file at `path` (links followed); `None` where the platform has none.
 #[cfg(unix)]
 fn file_id(path: &Path) -> std::io::Result<Option<FileId>> {
@@ -420,7 +432,9 @@ impl RedbStore {
             source,
         })?;
         let dir_lock = lock_dir(dir)?;
-        let path = dir.join(FILE_NAME);
+        // Absolute: its errors are read by remote admins (`status`, a refused change), far from
+        // the control plane's working directory.
+        let path = std::path::absolute(dir.join(FILE_NAME)).unwrap_or_else(|_| dir.join(FILE_NAME));
         let mut created = false;
         match std::fs::metadata(&path) {
             Err(error) if error.kind() == std::io::ErrorKind::NotFound => {
@@ -552,6 +566,7 @@ impl RedbStore {
         if replaced {
             return Err(StoreError::FileReplaced {
                 path: self.path.clone(),
+                descriptor: descriptor_of(opened),
             });
         }
         Ok(())

@@ -633,9 +633,32 @@ fn the_check_fails_once_the_store_file_is_deleted_or_replaced() {
     std::fs::remove_file(&path).unwrap();
     let failed = store.check().unwrap_err();
     assert!(
-        matches!(&failed, StoreError::FileReplaced { path: p } if *p == path),
+        matches!(&failed, StoreError::FileReplaced { path: p, .. } if *p == path),
         "{failed:?}"
     );
+    // Where to copy the old file from: the descriptor that holds it, on Linux.
+    #[cfg(target_os = "linux")]
+    {
+        let StoreError::FileReplaced {
+            descriptor: Some(fd),
+            ..
+        } = &failed
+        else {
+            panic!("no descriptor found: {failed:?}");
+        };
+        let held = std::fs::read(format!("/proc/self/fd/{fd}")).unwrap();
+        assert!(
+            held.len() > 4_096,
+            "the old store file, whole: {} bytes",
+            held.len()
+        );
+        assert!(
+            failed
+                .to_string()
+                .contains(&format!("/fd/{fd} before the restart")),
+            "{failed}"
+        );
+    }
     std::fs::write(&path, b"another file").unwrap();
     let failed = store.check().unwrap_err();
     assert!(
