@@ -432,9 +432,7 @@ impl RedbStore {
             source,
         })?;
         let dir_lock = lock_dir(dir)?;
-        // Absolute: its errors are read by remote admins (`status`, a refused change), far from
-        // the control plane's working directory.
-        let path = std::path::absolute(dir.join(FILE_NAME)).unwrap_or_else(|_| dir.join(FILE_NAME));
+        let path = dir.join(FILE_NAME);
         let mut created = false;
         match std::fs::metadata(&path) {
             Err(error) if error.kind() == std::io::ErrorKind::NotFound => {
