@@ -1464,20 +1464,9 @@ impl VersionStore for CopiedStore {
 #[tokio::test]
 async fn a_change_is_judged_against_the_file_not_a_copy_that_holds_a_failed_commit() {
     let store = Arc::new(CopiedStore::default());
-    let stored = |yaml: &str| {
-        let document = wire(yaml);
-        NewVersion {
-            content_hash: convert::content_hash(&document),
-            document,
-            source: Source::Admin,
-            author: None,
-            summary: String::new(),
-            created_unix_ms: 0,
-        }
-    };
-    store.file.publish(stored(V1), None).unwrap();
-    store.copy.publish(stored(V1), None).unwrap();
-    store.copy.publish(stored(V2), None).unwrap();
+    store_directly(&store.file, wire(V1));
+    store_directly(&store.copy, wire(V1));
+    store_directly(&store.copy, wire(V2));
     let control = ControlPlane::for_tests(store.clone(), Mode::Api);
     control.publish_current().await.unwrap();
     store.on_copy.store(true, Ordering::SeqCst);
